@@ -1,0 +1,1 @@
+"""Model descriptions: what the networks compute, nothing about speed."""

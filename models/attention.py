@@ -1,0 +1,92 @@
+"""Reference tree attention: the single place attention is written.
+
+Queries of M new nodes per slot attend to
+  (a) the slot's committed KV cache, positions [0, cache_len), with no mask but the length, and
+  (b) N tree keys (the new nodes, possibly after earlier tree nodes kept in a side buffer),
+      filtered by an ancestor bitmask: query i sees tree key j iff bit j of anc[i] is set.
+
+A causal prompt chunk is the special case of a chain (`chain_ancestors`), a plain decode step
+the case M = N = 1. This is written the natural way (boolean mask, concatenated K/V, SDPA);
+`runtime/passes` recognises the pattern after tracing and swaps in `rt::tree_attention`, so
+the [M, S + N] mask is never built on the fast path. Keep the pattern recognisable: change it
+and the pass together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BITS_PER_WORD = 64
+
+
+def num_mask_words(num_nodes: int) -> int:
+    """int64 words needed for an ancestor bitmask over `num_nodes` tree keys."""
+    return max(1, -(-num_nodes // BITS_PER_WORD))
+
+
+def expand_ancestor_mask(anc: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Unpack an ancestor bitmask into a boolean mask.
+
+    Args:
+        anc: [..., W] int64; bit j of word j // 64 set iff key j is visible.
+        num_keys: number of tree keys N (N <= 64 * W).
+    Returns:
+        [..., N] bool.
+    """
+    key = torch.arange(num_keys, device=anc.device)
+    words = anc[..., key // BITS_PER_WORD]
+    return ((words >> (key % BITS_PER_WORD)) & 1).bool()
+
+
+def pack_ancestor_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean mask [..., N] into int64 words [..., ceil(N / 64)] (inverse of expand)."""
+    num_keys = mask.shape[-1]
+    num_words = num_mask_words(num_keys)
+    padded = F.pad(mask.to(torch.int64), (0, num_words * BITS_PER_WORD - num_keys))
+    bits = padded.view(*mask.shape[:-1], num_words, BITS_PER_WORD)
+    shifts = torch.arange(BITS_PER_WORD, device=mask.device, dtype=torch.int64)
+    return (bits << shifts).sum(-1)
+
+
+def chain_ancestors(batch: int, length: int, device: torch.device | str) -> torch.Tensor:
+    """Causal (chain) ancestor bitmask: node i sees nodes 0..i. Returns [batch, length, W]."""
+    idx = torch.arange(length, device=device)
+    causal = idx[None, :] <= idx[:, None]
+    return pack_ancestor_mask(causal).expand(batch, length, -1)
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    anc: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of tree queries over [committed cache | tree keys].
+
+    Args:
+        q: [B, Hq, M, D] queries of the M new nodes.
+        k_cache, v_cache: [B, Hkv, S, D] committed cache (only [0, cache_len) is read).
+        cache_len: [B] int, committed length per slot.
+        k_tree, v_tree: [B, Hkv, N, D] tree keys/values (side buffer + new nodes).
+        anc: [B, M, W] int64 ancestor bitmask over the N tree keys.
+        scale: softmax scale, usually head_dim ** -0.5.
+    Returns:
+        [B, Hq, M, D] in q's dtype.
+    """
+    num_queries = q.shape[2]
+    cache_size = k_cache.shape[2]
+    positions = torch.arange(cache_size, device=q.device)
+    prefix_mask = (positions[None, :] < cache_len[:, None])[:, None, :]
+    tree_mask = expand_ancestor_mask(anc, k_tree.shape[2])
+    mask = torch.cat([prefix_mask.expand(-1, num_queries, -1), tree_mask], dim=-1)
+    k = torch.cat([k_cache, k_tree], dim=2)
+    v = torch.cat([v_cache, v_tree], dim=2)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )

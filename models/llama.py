@@ -1,0 +1,240 @@
+"""The Llama target model: what it computes, nothing about speed.
+
+One forward over new tokens at given positions, attending to a committed static KV cache plus
+the new tokens' own keys under an ancestor bitmask (a chain for prompts, a tree for
+verification). Returns the post-norm hidden state (the EAGLE-1 feature), the hidden states
+entering the EAGLE-3 tap layers and the new tokens' K/V, which the caller commits to the cache
+or keeps in a side buffer. Parameter names follow transformers' LlamaForCausalLM (minus the
+`model.` prefix), so HF checkpoints load without a key map.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import tree_attention
+from .config import LlamaConfig
+
+
+def rope_inv_freq(config: LlamaConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim // 2] float32, scaled as transformers does."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    rope = config.rope_scaling
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        old_context = rope.original_max_position_embeddings
+        low_freq_wavelen = old_context / rope.low_freq_factor
+        high_freq_wavelen = old_context / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_context / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for integer positions, computed on the fly (no max-length table)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recompute the non-persistent buffer after meta-device construction."""
+        self.inv_freq = rope_inv_freq(self.config, device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions: [B, T] int64. Returns cos, sin: [B, 1, T, head_dim] in `dtype`."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; cos, sin: [B, 1, T, D]. Rotate-half convention (HF)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+@dataclass
+class AttentionInputs:
+    """What one forward attends to besides its own tokens.
+
+    k_cache, v_cache: [L, B, Hkv, S, D] committed caches (one slice per layer).
+    cache_len: [B] int64, committed length per slot.
+    anc: [B, T, W] int64 ancestor bitmask over the tree keys (side buffer, then new tokens).
+    k_side, v_side: optional [L, B, Hkv, N0, D] tree nodes of earlier steps of this round.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_len: torch.Tensor
+    anc: torch.Tensor
+    k_side: torch.Tensor | None = None
+    v_side: torch.Tensor | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, *, in_features: int | None = None) -> None:
+        super().__init__()
+        in_features = in_features or config.hidden_size
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_features, config.num_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, config.num_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, config.num_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionInputs,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, in]. Returns output [B, T, H] and this step's k, v: [B, Hkv, T, D]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_tree, v_tree = k, v
+        if attn.k_side is not None:
+            k_tree = torch.cat([attn.k_side[layer], k], dim=2)
+            v_tree = torch.cat([attn.v_side[layer], v], dim=2)
+        out = tree_attention(
+            q,
+            attn.k_cache[layer],
+            attn.v_cache[layer],
+            attn.cache_len,
+            k_tree,
+            v_tree,
+            attn.anc,
+            scale=self.head_dim**-0.5,
+        )
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        dim, hidden, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP. EAGLE-1 heads drop the input norm."""
+
+    def __init__(self, config: LlamaConfig, *, input_norm: bool = True) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        if input_norm:
+            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionInputs,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        normed = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        h, k, v = self.self_attn(normed, rope, attn, layer)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+@dataclass
+class ModelOutput:
+    """hidden: [B, T, H] post-norm; taps: [B, T, num_taps * H] or None;
+    k_new, v_new: [L, B, Hkv, T, D] keys/values of the new tokens."""
+
+    hidden: torch.Tensor
+    taps: torch.Tensor | None
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig, *, tap_layers: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        taps = config.default_tap_layers if tap_layers is None else tuple(tap_layers)
+        bad = [t for t in taps if not 0 <= t <= config.num_layers]
+        if bad:
+            raise ValueError(
+                f"tap layers {bad} are outside [0, num_layers={config.num_layers}]; a tap i is "
+                "the hidden state entering layer i (i = num_layers: the last layer's output)"
+            )
+        self.tap_layers = taps
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs
+    ) -> ModelOutput:
+        """tokens, positions: [B, T] int64. See AttentionInputs for the rest."""
+        x = self.embed_tokens(tokens)
+        rope = self.rotary(positions, x.dtype)
+        entering: dict[int, torch.Tensor] = {}
+        k_new, v_new = [], []
+        for i, layer in enumerate(self.layers):
+            if i in self.tap_layers:
+                entering[i] = x
+            x, k, v = layer(x, rope, attn, i)
+            k_new.append(k)
+            v_new.append(v)
+        entering[len(self.layers)] = x
+        taps = torch.cat([entering[t] for t in self.tap_layers], -1) if self.tap_layers else None
+        return ModelOutput(self.norm(x), taps, torch.stack(k_new), torch.stack(v_new))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., H] post-norm. Returns [..., vocab] in the model dtype."""
+        return self.lm_head(hidden)
+
