@@ -324,4 +324,3 @@ def _read_json(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"no config.json at {path}; point at a Hugging Face model directory")
     with path.open() as f:
         return json.load(f)
-

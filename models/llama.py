@@ -237,4 +237,3 @@ class Llama(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., H] post-norm. Returns [..., vocab] in the model dtype."""
         return self.lm_head(hidden)
-

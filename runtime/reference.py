@@ -1,0 +1,188 @@
+"""Plain autoregressive decoding with a static KV cache: the oracle for every fast path.
+
+A ragged batch is right-padded and prefilled in one forward (a causal chain per slot); then one
+token per slot per step. Finished slots keep stepping harmlessly until the whole batch is done.
+This file favours obviousness over speed: it may read tensors on the host between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..models.attention import chain_ancestors
+from ..models.llama import Llama
+from .config import SamplingParams, validate_prompt_ids
+from .kv_cache import KVCache
+from .sampling import SamplingTensors, sample, target_probs
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass
+class Generation:
+    """One request's result: generated ids (a final stop token included) and why it ended."""
+
+    token_ids: list[int]
+    finish_reason: str
+
+
+def reference_generate(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    *,
+    eos_token_ids: Sequence[int] = (),
+) -> list[Generation]:
+    """Decode a batch of tokenized prompts to completion (see `reference_stream`)."""
+    results: list[Generation] = []
+    for step in reference_stream(model, prompts, params, eos_token_ids=eos_token_ids):
+        if not results:
+            results = [Generation([], FINISH_LENGTH) for _ in step]
+        for result, (token, finish) in zip(results, step, strict=True):
+            if token is not None:
+                result.token_ids.append(token)
+            if finish is not None:
+                result.finish_reason = finish
+    return results or [Generation([], FINISH_LENGTH) for _ in prompts]
+
+
+def reference_stream(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    *,
+    eos_token_ids: Sequence[int] = (),
+) -> Iterator[list[tuple[int | None, str | None]]]:
+    """Yield, per decoding step, (new token or None, finish reason or None) for every slot.
+
+    A slot yields a token until it finishes (the step that finishes it carries the reason) and
+    (None, None) afterwards. Nothing is yielded when every request has max_new_tokens == 0.
+    """
+    prompts, params = _validate(model, prompts, params)
+    device = model.lm_head.weight.device
+    max_new = torch.tensor([p.max_new_tokens for p in params], device=device)
+    num_steps = int(max_new.max())
+    if num_steps == 0:
+        return
+    sampling = SamplingTensors.from_params(params, device)
+    stop_mask = _stop_mask(params, eos_token_ids, model.config.vocab_size, device)
+    generator = _generator(params, device)
+    cache = _prefill_cache(model, prompts, capacity=max(map(len, prompts)) + num_steps)
+    token = _prefill(model, cache, prompts, sampling, generator)
+    done = max_new == 0
+    for step in range(num_steps):
+        active = ~done
+        finished_by_stop = active & stop_mask.gather(1, token[:, None])[:, 0]
+        finished_by_length = active & ~finished_by_stop & (max_new == step + 1)
+        done = done | finished_by_stop | finished_by_length
+        yield _step_report(token, active, finished_by_stop, finished_by_length)
+        if bool(done.all()):
+            return
+        token = _decode_step(model, cache, token, sampling, generator)
+
+
+def _validate(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    if isinstance(prompts, (str, bytes)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    vocab_size = model.config.vocab_size
+    checked = [
+        validate_prompt_ids(p, vocab_size=vocab_size, index=i) for i, p in enumerate(prompts)
+    ]
+    if isinstance(params, SamplingParams):
+        params = [params] * len(checked)
+    params = list(params)
+    if len(params) != len(checked):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(checked)} prompts")
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError("params must be SamplingParams (one, or one per prompt)")
+    return checked, params
+
+
+def _stop_mask(
+    params: Sequence[SamplingParams],
+    eos_token_ids: Sequence[int],
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """[B, V] bool: token t ends slot b."""
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    for slot, p in enumerate(params):
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        mask[slot, [t for t in stop_ids if t < vocab_size]] = True
+    return mask.to(device)
+
+
+def _generator(params: Sequence[SamplingParams], device: torch.device) -> torch.Generator | None:
+    seed = next((p.seed for p in params if p.seed is not None), None)
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _prefill_cache(model: Llama, prompts: list[list[int]], *, capacity: int) -> KVCache:
+    weight = model.lm_head.weight
+    return KVCache.allocate(
+        model.config,
+        batch_size=len(prompts),
+        capacity=capacity,
+        dtype=weight.dtype,
+        device=weight.device,
+    )
+
+
+def _prefill(
+    model: Llama,
+    cache: KVCache,
+    prompts: list[list[int]],
+    sampling: SamplingTensors,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Run the right-padded prompts through the model, fill the cache, sample token one."""
+    device = cache.k.device
+    batch, length = len(prompts), max(map(len, prompts))
+    tokens = torch.zeros(batch, length, dtype=torch.int64, device=device)
+    for slot, prompt in enumerate(prompts):
+        tokens[slot, : len(prompt)] = torch.tensor(prompt, device=device)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    positions = torch.arange(length, device=device).expand(batch, length)
+    out = model(tokens, positions, cache.attention_inputs(chain_ancestors(batch, length, device)))
+    cache.append(out.k_new, out.v_new, lengths)
+    last_hidden = out.hidden[torch.arange(batch, device=device), lengths - 1]
+    return sample(target_probs(model.logits(last_hidden), sampling), generator)
+
+
+def _decode_step(
+    model: Llama,
+    cache: KVCache,
+    token: torch.Tensor,
+    sampling: SamplingTensors,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    batch = token.shape[0]
+    anc = chain_ancestors(batch, 1, token.device)
+    out = model(token[:, None], cache.lengths[:, None], cache.attention_inputs(anc))
+    cache.append(out.k_new, out.v_new, torch.ones_like(cache.lengths))
+    return sample(target_probs(model.logits(out.hidden[:, 0]), sampling), generator)
+
+
+def _step_report(
+    token: torch.Tensor,
+    active: torch.Tensor,
+    by_stop: torch.Tensor,
+    by_length: torch.Tensor,
+) -> list[tuple[int | None, str | None]]:
+    report = []
+    for tok, is_active, stop, length in zip(
+        token.tolist(), active.tolist(), by_stop.tolist(), by_length.tolist(), strict=True
+    ):
+        finish = FINISH_STOP if stop else FINISH_LENGTH if length else None
+        report.append((tok if is_active else None, finish))
+    return report
