@@ -219,6 +219,11 @@ class DraftConfig:
                   [norm(embed), norm(hidden)], own norm + lm_head over a draft vocabulary.
         "dense":  N decoder layers over fc([embed, feature]) with their own norm + lm_head
                   (the multi-layer drafter of arXiv 2508.08192).
+    tap_layers: EAGLE-3 target taps in Llama's convention (tap i = the hidden state entering
+        layer i). config.json's `eagle_aux_hidden_state_layer_ids` names layer *outputs*
+        (SpecForge / sglang), i.e. these minus one; from_hf / to_hf convert.
+    shared_lm_head: dense heads only: project with the target's lm_head instead of an own one
+        (EAGLE-1 heads always use the target's, EAGLE-3 heads always own theirs).
     """
 
     kind: str
@@ -228,10 +233,15 @@ class DraftConfig:
     draft_vocab_size: int | None = None
     tap_layers: tuple[int, ...] | None = None
     fc_bias: bool = False
+    shared_lm_head: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
             raise ValueError(f"draft kind {self.kind!r} is not supported; use one of {DRAFT_KINDS}")
+        if self.shared_lm_head and self.kind != "dense":
+            raise ValueError("shared_lm_head applies to dense heads only")
+        if self.kind != "eagle3" and self.draft_vocab_size not in (None, self.layer.vocab_size):
+            raise ValueError(f"draft_vocab_size applies to EAGLE-3 heads only, not {self.kind!r}")
         if self.num_layers < 1:
             raise ValueError(f"draft num_layers must be >= 1, got {self.num_layers}")
         if self.kind == "eagle3" and self.num_layers != 1:
@@ -276,8 +286,9 @@ class DraftConfig:
             num_layers=int(raw.get("num_hidden_layers", 1)),
             target_hidden_size=raw.get("target_hidden_size"),
             draft_vocab_size=int(draft_vocab) if draft_vocab else None,
-            tap_layers=tuple(int(t) for t in taps) if taps else None,
+            tap_layers=tuple(int(t) + 1 for t in taps) if taps else None,
             fc_bias=bool(raw.get("bias", kind == "eagle1")),
+            shared_lm_head=bool(raw.get("specrun_shared_lm_head", False)),
         )
 
     @classmethod
@@ -294,8 +305,11 @@ class DraftConfig:
             raw["target_hidden_size"] = self.target_hidden_size
         if self.draft_vocab_size is not None:
             raw["draft_vocab_size"] = self.draft_vocab_size
+        if self.shared_lm_head:
+            raw["specrun_shared_lm_head"] = True
         if self.tap_layers is not None:
-            raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.tap_layers)}
+            layer_outputs = [t - 1 for t in self.tap_layers]
+            raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layer_outputs}
         return raw
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -90,3 +92,44 @@ def validate_prompt_ids(prompt: object, *, vocab_size: int, index: int = 0) -> l
             "they must come from this model's tokenizer"
         )
     return ids
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs.
+
+    device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+    dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
+    chat_template: wrap string prompts in the model's chat template as a user message.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as e:
+                raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use 'cpu'")
+        return device
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

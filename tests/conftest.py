@@ -12,3 +12,13 @@ from tiny_models import random_llama, tiny_config
 @pytest.fixture
 def tiny_llama() -> Llama:
     return random_llama(tiny_config(), dtype=torch.float64)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run on the GPU machine (`pytest -m gpu`); elsewhere they are skipped."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

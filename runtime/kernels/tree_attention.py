@@ -1,0 +1,357 @@
+"""`rt::tree_attention`: tree-masked attention over [committed KV cache | tree KV], in Triton.
+
+The op computes what `models/attention.py` writes with a dense mask and SDPA, without ever
+building the [M, S + N] mask or repeating K/V for GQA:
+
+- prefix part: the slot's committed cache, positions [0, cache_len), no mask but the length,
+  split over the sequence (flash-decoding split-K) so that small batches still fill the GPU;
+- tree part: the N tree keys, filtered per query by the int64 ancestor bitmask `anc`;
+- the parts are merged by log-sum-exp (inside the last split, then across splits).
+
+All Hq / Hkv query heads of a KV head are processed together: the "rows" of a tile are
+(group head, tree query) pairs, so every K/V tile is loaded once per KV head. The launch grid
+depends only on static shapes (never on `cache_len` values), which keeps the op CUDA-graph safe:
+splits past a slot's length run an empty loop and contribute an empty (-inf) partial.
+
+`tree_attention_ref` is the same function in plain PyTorch, written as an explicit two-part
+softmax with an LSE merge; it is the CPU implementation of the op and the oracle in tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from .tree_attention_config import LaunchConfig, launch_config, num_multiprocessors
+
+_LOG2E = 1.4426950408889634
+_BITS_PER_WORD = 64
+_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step (base 2) of q [R, D] over a key block k, v [K, D]."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, cache_len_ptr, kt_ptr, vt_ptr, anc_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    sq_b, sq_h, sq_m, sq_d,
+    skc_b, skc_h, skc_s, skc_d,
+    svc_b, svc_h, svc_s, svc_d,
+    skt_b, skt_h, skt_n, skt_d,
+    svt_b, svt_h, svt_n, svt_d,
+    sa_b, sa_m, sa_w,
+    num_kv_heads, num_queries, num_tree, cache_size, split_len, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, split, slot * kv head): one split of the prefix, plus the tree
+    keys in the last split; writes the output directly when there is a single split, else a
+    normalised partial output and its base-2 LSE for `_tree_attention_combine_kernel`."""
+    row_block = tl.program_id(0)
+    split = tl.program_id(1)
+    slot_head = tl.program_id(2)
+    b = (slot_head // num_kv_heads).to(tl.int64)
+    kv_head = (slot_head % num_kv_heads).to(tl.int64)
+
+    rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < GROUP * num_queries
+    m_idx = rows % num_queries
+    head = kv_head * GROUP + rows // num_queries
+    dims = tl.arange(0, HEAD_DIM)
+    keys = tl.arange(0, BLOCK_N)
+
+    q_rows = q_ptr + b * sq_b + head * sq_h + m_idx * sq_m
+    q = tl.load(q_rows[:, None] + dims[None, :] * sq_d, mask=row_ok[:, None], other=0.0)
+
+    # Finite start so fully masked rows give alpha = 1, p = 0 instead of NaN.
+    m_i = tl.full([BLOCK_R], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+
+    kc_base = kc_ptr + b * skc_b + kv_head * skc_h + dims[None, :] * skc_d
+    vc_base = vc_ptr + b * svc_b + kv_head * svc_h + dims[None, :] * svc_d
+    length = tl.minimum(tl.load(cache_len_ptr + b).to(tl.int32), cache_size)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, length)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + keys
+        key_ok = pos < hi
+        k = tl.load(kc_base + pos[:, None] * skc_s, mask=key_ok[:, None], other=0.0)
+        v = tl.load(vc_base + pos[:, None] * svc_s, mask=key_ok[:, None], other=0.0)
+        m_i, l_i, acc = _softmax_block(
+            q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION
+        )
+
+    if split == NUM_SPLITS - 1:
+        kt_base = kt_ptr + b * skt_b + kv_head * skt_h + dims[None, :] * skt_d
+        vt_base = vt_ptr + b * svt_b + kv_head * svt_h + dims[None, :] * svt_d
+        anc_rows = anc_ptr + b * sa_b + m_idx * sa_m
+        for start in range(0, num_tree, BLOCK_N):
+            node = start + keys
+            key_ok = node < num_tree
+            k = tl.load(kt_base + node[:, None] * skt_n, mask=key_ok[:, None], other=0.0)
+            v = tl.load(vt_base + node[:, None] * svt_n, mask=key_ok[:, None], other=0.0)
+            word_ptrs = anc_rows[:, None] + (node // 64)[None, :] * sa_w
+            both_ok = row_ok[:, None] & key_ok[None, :]
+            words = tl.load(word_ptrs, mask=both_ok, other=0)
+            bits = (words >> (node % 64).to(tl.int64)[None, :]) & 1
+            m_i, l_i, acc = _softmax_block(
+                q, k, v, both_ok & (bits != 0), m_i, l_i, acc, qk_scale, DOT_PRECISION
+            )
+
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_rows = (b * GROUP * num_kv_heads + head) * num_queries + m_idx
+    if NUM_SPLITS == 1:
+        out_ptrs = out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part_rows = out_rows * NUM_SPLITS + split
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+        part_ptrs = part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(part_ptrs, o, mask=row_ok[:, None])
+
+
+@triton.jit
+def _tree_attention_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_rows,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):  # fmt: skip
+    """Merge the per-split partials of BLOCK_ROWS output rows by their base-2 LSE."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < num_rows
+    dims = tl.arange(0, HEAD_DIM)
+    lse_max = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    denom = tl.zeros([BLOCK_ROWS], tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32)
+    for s in range(NUM_SPLITS):
+        part_rows = rows * NUM_SPLITS + s
+        weight = tl.exp2(tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf")) - lse_max)
+        part = tl.load(
+            part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        denom += weight
+        acc += weight[:, None] * part
+    o = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _wrap(kernel):
+    """wrap_triton, except for TRITON_INTERPRET kernels (older torch rejects those)."""
+    return wrap_triton(kernel) if isinstance(kernel, triton.runtime.JITFunction) else kernel
+
+
+def launch_tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    anc: torch.Tensor,
+    *,
+    scale: float,
+    config: LaunchConfig,
+) -> torch.Tensor:
+    """Run the Triton kernels with an explicit launch config (shapes as in `tree_attention`).
+
+    Used by the op (config from `launch_config`), by tuning sweeps and by the interpreter tests.
+    """
+    batch, num_q_heads, num_queries, head_dim = q.shape
+    num_kv_heads, cache_size = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_splits = config.num_splits
+    if num_splits > 1:
+        num_out_rows = batch * num_q_heads * num_queries
+        part_out = torch.empty(
+            (num_out_rows, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((num_out_rows, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out
+    group = num_q_heads // num_kv_heads
+    grid = (triton.cdiv(group * num_queries, config.block_r), num_splits, batch * num_kv_heads)
+    _wrap(_tree_attention_kernel)[grid](
+        q, k_cache, v_cache, cache_len, k_tree, v_tree, anc,
+        out, part_out, part_lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        *k_tree.stride(), *v_tree.stride(), *anc.stride(),
+        num_kv_heads, num_queries, k_tree.shape[2], cache_size, config.split_len,
+        scale * _LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_R=config.block_r, BLOCK_N=config.block_n,
+        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        block_rows = config.combine_block_rows
+        _wrap(_tree_attention_combine_kernel)[(triton.cdiv(num_out_rows, block_rows),)](
+            part_out, part_lse, out, num_out_rows,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_ROWS=block_rows, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc) -> None:
+    """Shape and dtype checks (static metadata only: no device sync)."""
+    batch, num_q_heads, num_queries, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+    if k_cache.shape != v_cache.shape or k_cache.shape[::3] != (batch, head_dim):
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} vs q")
+    if k_tree.shape != v_tree.shape or k_tree.shape[:2] != k_cache.shape[:2]:
+        raise ValueError(f"tree K/V shapes {tuple(k_tree.shape)}, {tuple(v_tree.shape)} vs cache")
+    if anc.shape[:2] != (batch, num_queries) or anc.shape[2] * _BITS_PER_WORD < k_tree.shape[2]:
+        raise ValueError(f"anc shape {tuple(anc.shape)} vs {num_queries} queries, tree K/V")
+    if cache_len.shape != (batch,) or cache_len.dtype != torch.int64 or anc.dtype != torch.int64:
+        raise ValueError("cache_len must be [B] int64 and anc int64")
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(f"head dim {head_dim} must be a power of two in [16, 256]")
+
+
+@triton_op("rt::tree_attention", mutates_args=())
+def _tree_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    anc: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    # Also the fake impl and the decomposition torch.compile inlines: non-CUDA tensors
+    # (CPU, meta) take the reference so the op traces and compiles everywhere.
+    if q.device.type != "cuda":
+        return tree_attention_ref(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
+    _check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc)
+    if q.dtype not in _CUDA_DTYPES:
+        raise ValueError(f"rt::tree_attention on CUDA takes fp16/bf16/fp32, not {q.dtype}")
+    batch, num_q_heads, num_queries, head_dim = q.shape
+    config = launch_config(
+        batch=batch,
+        num_kv_heads=k_cache.shape[1],
+        num_rows=num_q_heads // k_cache.shape[1] * num_queries,
+        cache_size=k_cache.shape[2],
+        head_dim=head_dim,
+        num_sms=num_multiprocessors(q.device),
+    )
+    return launch_tree_attention(
+        q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale, config=config
+    )
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    anc: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of M tree queries over [committed cache | N tree keys] (`rt::tree_attention`).
+
+    Args:
+        q: [B, Hq, M, D] queries (fp16/bf16/fp32 on CUDA; any float dtype on CPU).
+        k_cache, v_cache: [B, Hkv, S, D] committed cache, any strides (e.g. a slice of a
+            [L, B, Hkv, S, D] buffer); only positions [0, cache_len[b]) are read.
+        cache_len: [B] int64 committed length per slot (0 <= cache_len <= S).
+        k_tree, v_tree: [B, Hkv, N, D] tree keys/values.
+        anc: [B, M, W] int64 bitmask: bit j of word j // 64 set iff query i sees tree key j.
+        scale: softmax scale, usually D ** -0.5.
+    Returns:
+        [B, Hq, M, D] in q's dtype; a query that sees no key at all gets zeros.
+    """
+    return torch.ops.rt.tree_attention(
+        q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale
+    )
+
+
+def _softmax_part(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of masked scores [..., R, K] (-inf = masked) against v [..., K, D].
+
+    Returns (normalised output [..., R, D], natural-log LSE [..., R]); rows with no visible key
+    give output 0 and LSE -inf.
+    """
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max)
+    denom = p.sum(-1, keepdim=True)
+    out = (p @ v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return out, (row_max + torch.log(denom)).squeeze(-1)
+
+
+def tree_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    anc: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-PyTorch `rt::tree_attention` (same arguments and result as `tree_attention`).
+
+    GQA without repeating K/V: q is viewed as [B, Hkv, G * M, D] rows (head-major within the
+    group, as in the kernel). Computes in float32 (float64 for float64 inputs).
+    """
+    batch, num_q_heads, num_queries, head_dim = q.shape
+    num_kv_heads, cache_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    rows = q.to(acc_dtype).reshape(batch, num_kv_heads, group * num_queries, head_dim) * scale
+
+    positions = torch.arange(cache_size, device=q.device)
+    in_prefix = (positions[None, :] < cache_len[:, None])[:, None, None, :]
+    prefix_scores = (rows @ k_cache.to(acc_dtype).transpose(-1, -2)).masked_fill(
+        ~in_prefix, float("-inf")
+    )
+    out_p, lse_p = _softmax_part(prefix_scores, v_cache.to(acc_dtype))
+
+    node = torch.arange(k_tree.shape[2], device=q.device)
+    bits = (anc[..., node // _BITS_PER_WORD] >> (node % _BITS_PER_WORD)) & 1  # [B, M, N]
+    visible = (bits != 0)[:, None, None].expand(-1, -1, group, -1, -1)
+    visible = visible.reshape(batch, 1, group * num_queries, -1)
+    tree_scores = (rows @ k_tree.to(acc_dtype).transpose(-1, -2)).masked_fill(
+        ~visible, float("-inf")
+    )
+    out_t, lse_t = _softmax_part(tree_scores, v_tree.to(acc_dtype))
+
+    lse_max = torch.maximum(lse_p, lse_t)
+    lse_max = torch.where(torch.isfinite(lse_max), lse_max, torch.zeros_like(lse_max))
+    w_p, w_t = torch.exp(lse_p - lse_max), torch.exp(lse_t - lse_max)
+    total = w_p + w_t
+    total = torch.where(total > 0, total, torch.ones_like(total))
+    out = (w_p[..., None] * out_p + w_t[..., None] * out_t) / total[..., None]
+    return out.reshape(batch, num_q_heads, num_queries, head_dim).to(q.dtype)
+
+
+_tree_attention_op.register_kernel("cpu")(tree_attention_ref)
