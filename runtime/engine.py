@@ -122,7 +122,7 @@ class Engine:
         self._record(num_requests=len(results), num_tokens=num_tokens, seconds=seconds)
         return [
             Output(
-                text=self.tokenizer.decode(r.token_ids),
+                text=self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
                 token_ids=r.token_ids,
                 prompt_token_ids=ids,
                 finish_reason=r.finish_reason,
@@ -135,7 +135,7 @@ class Engine:
         """Yield text deltas of one request as tokens are decoded."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
-        decoder = self.tokenizer.stream_decoder()
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         num_tokens, started = 0, time.perf_counter()
         with torch.inference_mode():
             steps = reference_stream(

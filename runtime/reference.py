@@ -8,26 +8,22 @@ This file favours obviousness over speed: it may read tensors on the host betwee
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from ..models.attention import chain_ancestors
 from ..models.llama import Llama
-from .config import SamplingParams, validate_prompt_ids
+from .config import SamplingParams
 from .kv_cache import KVCache
+from .requests import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    check_requests,
+    seeded_generator,
+    stop_mask,
+)
 from .sampling import SamplingTensors, sample, target_probs
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-
-
-@dataclass
-class Generation:
-    """One request's result: generated ids (a final stop token included) and why it ended."""
-
-    token_ids: list[int]
-    finish_reason: str
 
 
 def reference_generate(
@@ -62,69 +58,27 @@ def reference_stream(
     A slot yields a token until it finishes (the step that finishes it carries the reason) and
     (None, None) afterwards. Nothing is yielded when every request has max_new_tokens == 0.
     """
-    prompts, params = _validate(model, prompts, params)
+    prompts, params = check_requests(prompts, params, vocab_size=model.config.vocab_size)
     device = model.lm_head.weight.device
     max_new = torch.tensor([p.max_new_tokens for p in params], device=device)
     num_steps = int(max_new.max())
     if num_steps == 0:
         return
     sampling = SamplingTensors.from_params(params, device)
-    stop_mask = _stop_mask(params, eos_token_ids, model.config.vocab_size, device)
-    generator = _generator(params, device)
+    stops = stop_mask(params, eos_token_ids, vocab_size=model.config.vocab_size, device=device)
+    generator = seeded_generator(params, device)
     cache = _prefill_cache(model, prompts, capacity=max(map(len, prompts)) + num_steps)
     token = _prefill(model, cache, prompts, sampling, generator)
     done = max_new == 0
     for step in range(num_steps):
         active = ~done
-        finished_by_stop = active & stop_mask.gather(1, token[:, None])[:, 0]
+        finished_by_stop = active & stops.gather(1, token[:, None])[:, 0]
         finished_by_length = active & ~finished_by_stop & (max_new == step + 1)
         done = done | finished_by_stop | finished_by_length
         yield _step_report(token, active, finished_by_stop, finished_by_length)
         if bool(done.all()):
             return
         token = _decode_step(model, cache, token, sampling, generator)
-
-
-def _validate(
-    model: Llama,
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams | Sequence[SamplingParams],
-) -> tuple[list[list[int]], list[SamplingParams]]:
-    if isinstance(prompts, (str, bytes)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    vocab_size = model.config.vocab_size
-    checked = [
-        validate_prompt_ids(p, vocab_size=vocab_size, index=i) for i, p in enumerate(prompts)
-    ]
-    if isinstance(params, SamplingParams):
-        params = [params] * len(checked)
-    params = list(params)
-    if len(params) != len(checked):
-        raise ValueError(f"got {len(params)} SamplingParams for {len(checked)} prompts")
-    if not all(isinstance(p, SamplingParams) for p in params):
-        raise TypeError("params must be SamplingParams (one, or one per prompt)")
-    return checked, params
-
-
-def _stop_mask(
-    params: Sequence[SamplingParams],
-    eos_token_ids: Sequence[int],
-    vocab_size: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """[B, V] bool: token t ends slot b."""
-    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
-    for slot, p in enumerate(params):
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        mask[slot, [t for t in stop_ids if t < vocab_size]] = True
-    return mask.to(device)
-
-
-def _generator(params: Sequence[SamplingParams], device: torch.device) -> torch.Generator | None:
-    seed = next((p.seed for p in params if p.seed is not None), None)
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _prefill_cache(model: Llama, prompts: list[list[int]], *, capacity: int) -> KVCache:

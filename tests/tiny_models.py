@@ -37,3 +37,61 @@ def random_llama(
                 param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if param.dim() > 1 else 0.1)
         model.embed_tokens.weight.normal_(0.0, 1.0)
     return model.to(dtype).eval()
+
+
+def random_head(kind: str, target: Llama, *, seed: int = 0, num_layers: int = 1):
+    """A draft head of `kind` ("eagle1", "eagle3", "dense") with random weights for `target`.
+
+    EAGLE-3 heads get a draft vocabulary of about half the target's, mapped through a random
+    d2t so that draft ids and target ids differ.
+    """
+    from specrun.models.config import DraftConfig
+    from specrun.models.eagle import build_draft
+
+    torch.manual_seed(seed)
+    vocab = target.config.vocab_size
+    draft_vocab = max(8, vocab // 2) if kind == "eagle3" else None
+    config = DraftConfig(
+        kind=kind,
+        layer=target.config,
+        num_layers=num_layers if kind != "eagle3" else 1,
+        draft_vocab_size=draft_vocab,
+    )
+    head = build_draft(config, target)
+    if kind == "eagle3":
+        kept = torch.randperm(vocab)[:draft_vocab].sort().values
+        head.d2t.copy_(kept - torch.arange(draft_vocab))
+        head.t2d.zero_()
+        head.t2d[kept] = True
+    dtype = target.lm_head.weight.dtype
+    return head.to(dtype).eval()
+
+
+class TargetAsDraft(torch.nn.Module):
+    """A 'perfect' draft: the target itself, so every proposal is the target's own choice.
+
+    Draft position j holds token j+1; RoPE attention depends only on relative positions, so
+    running the target there gives exactly its next-token logits. Features are ignored.
+    """
+
+    def __init__(self, target: Llama) -> None:
+        from specrun.models.config import DraftConfig
+
+        super().__init__()
+        self.target = target
+        self.config = DraftConfig(
+            kind="dense", layer=target.config, num_layers=target.config.num_layers
+        )
+        self.num_layers = target.config.num_layers
+
+    def target_features(self, target_out):
+        return target_out.hidden
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids
+
+    def forward(self, tokens, features, positions, attn):
+        from specrun.models.eagle import DraftOutput
+
+        out = self.target(tokens, positions, attn)
+        return DraftOutput(out.hidden, self.target.logits(out.hidden), out.k_new, out.v_new)

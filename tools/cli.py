@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-COMMAND_MODULES = ("generate", "convert")
+COMMAND_MODULES = ("generate", "convert", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

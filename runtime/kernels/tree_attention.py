@@ -32,13 +32,19 @@ _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step (base 2) of q [R, D] over a key block k, v [K, D]."""
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+def _softmax_block(
+    q, k, v, visible, m_i, l_i, acc, qk_scale,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step (base 2, running max in scaled units) of q [R, D] over a key
+    block k, v [K, D]; `visible` [R, K] is applied only when MASKED."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+    # scale > 0, so max(qk) * scale = max(qk * scale), and qk * scale - m is one FMA.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc * alpha[:, None] + pv
@@ -54,13 +60,16 @@ def _tree_attention_kernel(
     skt_b, skt_h, skt_n, skt_d,
     svt_b, svt_h, svt_n, svt_d,
     sa_b, sa_m, sa_w,
-    num_kv_heads, num_queries, num_tree, cache_size, split_len, qk_scale,
+    num_kv_heads, num_queries, num_tree, cache_size, split_len, num_splits, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, split, slot * kv head): one split of the prefix, plus the tree
-    keys in the last split; writes the output directly when there is a single split, else a
-    normalised partial output and its base-2 LSE for `_tree_attention_combine_kernel`."""
+    """Program (row block, split, slot * kv head).
+
+    With one split, a program attends to the whole prefix and then the tree keys and writes
+    the output. Otherwise splits 0 .. num_splits - 2 each take one prefix range and the last
+    split takes the tree keys alone (its latency overlaps the prefix instead of adding to it);
+    each writes a normalised partial output and its base-2 LSE for the combine kernel."""
     row_block = tl.program_id(0)
     split = tl.program_id(1)
     slot_head = tl.program_id(2)
@@ -77,6 +86,7 @@ def _tree_attention_kernel(
     q_rows = q_ptr + b * sq_b + head * sq_h + m_idx * sq_m
     q = tl.load(q_rows[:, None] + dims[None, :] * sq_d, mask=row_ok[:, None], other=0.0)
 
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64
     # Finite start so fully masked rows give alpha = 1, p = 0 instead of NaN.
     m_i = tl.full([BLOCK_R], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -85,18 +95,30 @@ def _tree_attention_kernel(
     kc_base = kc_ptr + b * skc_b + kv_head * skc_h + dims[None, :] * skc_d
     vc_base = vc_ptr + b * svc_b + kv_head * svc_h + dims[None, :] * svc_d
     length = tl.minimum(tl.load(cache_len_ptr + b).to(tl.int32), cache_size)
+    if WRITE_PARTIALS:
+        length = tl.where(split == num_splits - 1, 0, length)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, length)
-    for start in range(lo, hi, BLOCK_N):
+    # Full blocks load and score without masks; only the tail block is masked.
+    full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, full_end, BLOCK_N):
         pos = start + keys
+        k = tl.load(kc_base + pos[:, None] * skc_s)
+        v = tl.load(vc_base + pos[:, None] * svc_s)
+        m_i, l_i, acc = _softmax_block(
+            q, k, v, None, m_i, l_i, acc, qk_scale, MASKED=False, DOT_PRECISION=DOT_PRECISION
+        )
+    if full_end < hi:
+        pos = full_end + keys
         key_ok = pos < hi
         k = tl.load(kc_base + pos[:, None] * skc_s, mask=key_ok[:, None], other=0.0)
         v = tl.load(vc_base + pos[:, None] * svc_s, mask=key_ok[:, None], other=0.0)
         m_i, l_i, acc = _softmax_block(
-            q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION
-        )
+            q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, MASKED=True,
+            DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
 
-    if split == NUM_SPLITS - 1:
+    if split == num_splits - 1:
         kt_base = kt_ptr + b * skt_b + kv_head * skt_h + dims[None, :] * skt_d
         vt_base = vt_ptr + b * svt_b + kv_head * svt_h + dims[None, :] * svt_d
         anc_rows = anc_ptr + b * sa_b + m_idx * sa_m
@@ -110,17 +132,18 @@ def _tree_attention_kernel(
             words = tl.load(word_ptrs, mask=both_ok, other=0)
             bits = (words >> (node % 64).to(tl.int64)[None, :]) & 1
             m_i, l_i, acc = _softmax_block(
-                q, k, v, both_ok & (bits != 0), m_i, l_i, acc, qk_scale, DOT_PRECISION
-            )
+                q, k, v, both_ok & (bits != 0), m_i, l_i, acc, qk_scale, MASKED=True,
+                DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_rows = (b * GROUP * num_kv_heads + head) * num_queries + m_idx
-    if NUM_SPLITS == 1:
+    if not WRITE_PARTIALS:
         out_ptrs = out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :]
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        part_rows = out_rows * NUM_SPLITS + split
+        part_rows = out_rows * num_splits + split
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
         part_ptrs = part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :]
@@ -129,33 +152,26 @@ def _tree_attention_kernel(
 
 @triton.jit
 def _tree_attention_combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_rows,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):  # fmt: skip
-    """Merge the per-split partials of BLOCK_ROWS output rows by their base-2 LSE."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_ok = rows < num_rows
+    """Merge one output row's per-split partials by their base-2 LSE (all splits in one load)."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS_P2)
+    split_ok = splits < num_splits
     dims = tl.arange(0, HEAD_DIM)
-    lse_max = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        lse = tl.load(part_lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=float("-inf"))
-        lse_max = tl.maximum(lse_max, lse)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    denom = tl.zeros([BLOCK_ROWS], tl.float32)
-    acc = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32)
-    for s in range(NUM_SPLITS):
-        part_rows = rows * NUM_SPLITS + s
-        weight = tl.exp2(tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf")) - lse_max)
-        part = tl.load(
-            part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
-            mask=row_ok[:, None],
-            other=0.0,
-        )
-        denom += weight
-        acc += weight[:, None] * part
-    o = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    out_ptrs = out_ptr + rows[:, None] * HEAD_DIM + dims[None, :]
-    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    part_rows = row * num_splits + splits
+    lse = tl.load(part_lse_ptr + part_rows, mask=split_ok, other=float("-inf"))
+    part = tl.load(
+        part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_ok[:, None],
+        other=0.0,
+    )
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    denom = tl.sum(weight, 0)
+    o = tl.sum(weight[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, o.to(out_ptr.dtype.element_ty))
 
 
 def _wrap(kernel):
@@ -182,9 +198,10 @@ def launch_tree_attention(
     batch, num_q_heads, num_queries, head_dim = q.shape
     num_kv_heads, cache_size = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    num_splits = config.num_splits
+    # Past one prefix split, the tree keys get a split of their own (see the kernel).
+    num_splits = config.num_splits + 1 if config.num_splits > 1 else 1
+    num_out_rows = batch * num_q_heads * num_queries
     if num_splits > 1:
-        num_out_rows = batch * num_q_heads * num_queries
         part_out = torch.empty(
             (num_out_rows, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
@@ -198,22 +215,23 @@ def launch_tree_attention(
         out, part_out, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         *k_tree.stride(), *v_tree.stride(), *anc.stride(),
-        num_kv_heads, num_queries, k_tree.shape[2], cache_size, config.split_len,
+        num_kv_heads, num_queries, k_tree.shape[2], cache_size, config.split_len, num_splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_R=config.block_r, BLOCK_N=config.block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WRITE_PARTIALS=num_splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        block_rows = config.combine_block_rows
-        _wrap(_tree_attention_combine_kernel)[(triton.cdiv(num_out_rows, block_rows),)](
-            part_out, part_lse, out, num_out_rows,
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_ROWS=block_rows, num_warps=4,
+        splits_p2 = triton.next_power_of_2(num_splits)
+        _wrap(_tree_attention_combine_kernel)[(num_out_rows,)](
+            part_out, part_lse, out, num_splits,
+            HEAD_DIM=head_dim, SPLITS_P2=splits_p2,
+            num_warps=4 if splits_p2 * head_dim <= 8192 else 8,
         )  # fmt: skip
     return out
 
 
-def _check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc) -> None:
+def _check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale) -> None:
     """Shape and dtype checks (static metadata only: no device sync)."""
     batch, num_q_heads, num_queries, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -229,6 +247,8 @@ def _check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc) -> None:
         raise ValueError("cache_len must be [B] int64 and anc int64")
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
         raise ValueError(f"head dim {head_dim} must be a power of two in [16, 256]")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, not {scale}")
 
 
 @triton_op("rt::tree_attention", mutates_args=())
@@ -247,7 +267,7 @@ def _tree_attention_op(
     # (CPU, meta) take the reference so the op traces and compiles everywhere.
     if q.device.type != "cuda":
         return tree_attention_ref(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
-    _check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc)
+    _check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale)
     if q.dtype not in _CUDA_DTYPES:
         raise ValueError(f"rt::tree_attention on CUDA takes fp16/bf16/fp32, not {q.dtype}")
     batch, num_q_heads, num_queries, head_dim = q.shape
@@ -299,6 +319,9 @@ def _softmax_part(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, 
     Returns (normalised output [..., R, D], natural-log LSE [..., R]); rows with no visible key
     give output 0 and LSE -inf.
     """
+    if scores.shape[-1] == 0:  # empty cache (S = 0): amax needs a non-empty dim
+        out = scores.new_zeros((*scores.shape[:-1], v.shape[-1]))
+        return out, scores.new_full(scores.shape[:-1], float("-inf"))
     row_max = scores.amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(scores - row_max)

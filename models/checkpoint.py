@@ -1,0 +1,195 @@
+"""Checkpoint files: find them, read their headers, check them, stream their tensors.
+
+A checkpoint directory holds one of (looked for in this order)
+  model.safetensors.index.json + shards, model.safetensors,
+  pytorch_model.bin.index.json + shards, pytorch_model.bin.
+Headers (names, shapes, dtypes) are read without touching tensor data, so a checkpoint is
+checked against the model before anything is allocated; tensors are then read one at a time.
+Legacy .bin files are only ever opened with `torch.load(weights_only=True, mmap=True)`: no
+code in them runs, and their data stays in the page cache until each tensor is converted.
+Key names are the files' own; renaming is loading.py's business.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FILES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a checkpoint header says about one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the model expects: dtype None means any floating dtype (converted on load)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
+
+
+def existing_dir(path: str | Path) -> Path:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"model directory {directory} does not exist (or is not a directory)")
+    return directory
+
+
+class Checkpoint:
+    """The tensors of one checkpoint directory: `infos` from headers, data on demand."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = existing_dir(directory)
+        self.path = _find_weights(self.directory)
+        shards = _shard_files(self.path)
+        self._bin_states = {s: _load_bin(s) for s in shards if s.suffix == ".bin"}
+        self._file_of: dict[str, Path] = {}
+        self.infos: dict[str, TensorInfo] = {}
+        for shard in shards:
+            for name, info in self._read_header(shard).items():
+                if name in self.infos:
+                    raise ValueError(f"tensor {name} appears in more than one shard of {self.path}")
+                self.infos[name] = info
+                self._file_of[name] = shard
+        logger.info(
+            "checkpoint %s: %d tensors in %d file(s)", self.path, len(self.infos), len(shards)
+        )
+
+    def _read_header(self, shard: Path) -> dict[str, TensorInfo]:
+        if shard in self._bin_states:
+            state = self._bin_states[shard]
+            return {name: TensorInfo(tuple(t.shape), t.dtype) for name, t in state.items()}
+        with safe_open(shard, framework="pt") as f:
+            # safe_open handles are not iterable, hence .keys().
+            return {name: _safetensors_info(f, name, shard) for name in f.keys()}  # noqa: SIM118
+
+    def tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, CPU tensor) for `names`, one at a time, one shard open at a time."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._file_of[name], []).append(name)
+        for shard, shard_names in by_file.items():
+            if shard in self._bin_states:
+                state = self._bin_states[shard]
+                yield from ((name, state[name]) for name in shard_names)
+                continue
+            with safe_open(shard, framework="pt", device="cpu") as f:
+                yield from ((name, f.get_tensor(name)) for name in shard_names)
+
+
+def _find_weights(directory: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if (directory / name).is_file():
+            return directory / name
+    raise ValueError(f"no weights in {directory}: looked for {', '.join(WEIGHT_FILES)}")
+
+
+def _shard_files(path: Path) -> list[Path]:
+    if not path.name.endswith(".index.json"):
+        return [path]
+    with path.open() as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{path} has no weight_map")
+    shards = [path.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [str(s.name) for s in shards if not s.is_file()]
+    if missing:
+        raise ValueError(f"{path} names shard file(s) that do not exist: {missing}")
+    return shards
+
+
+def _safetensors_info(f, name: str, shard: Path) -> TensorInfo:
+    tensor_slice = f.get_slice(name)
+    dtype_name = tensor_slice.get_dtype()
+    if dtype_name not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"{shard}: tensor {name} has unsupported dtype {dtype_name}")
+    return TensorInfo(tuple(tensor_slice.get_shape()), _SAFETENSORS_DTYPES[dtype_name])
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A legacy PyTorch state dict, unpickled with weights_only (no code runs) and mmap."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise ValueError(
+            f"{path} is not a plain tensor checkpoint readable with "
+            f"torch.load(weights_only=True, mmap=True): {str(error).splitlines()[0]}"
+        ) from error
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a dict of tensors")
+    not_tensors = sorted(k for k, v in state.items() if not isinstance(v, torch.Tensor))
+    if not_tensors:
+        raise ValueError(f"{path}: entries {not_tensors} are not tensors")
+    return dict(state)
+
+
+def check_tensors(
+    found: Mapping[str, TensorInfo],
+    expected: Mapping[str, TensorSpec],
+    *,
+    optional: Mapping[str, TensorSpec],
+    source: str,
+) -> None:
+    """Raise one ValueError listing every way `found` differs from `expected`.
+
+    `optional` tensors may be absent; when present they are checked like expected ones
+    (the caller then ignores them).
+    """
+    problems = []
+    missing = sorted(expected.keys() - found.keys())
+    if missing:
+        problems.append(f"missing: {', '.join(missing)}")
+    unexpected = sorted(found.keys() - expected.keys() - optional.keys())
+    if unexpected:
+        problems.append(f"unexpected: {', '.join(unexpected)}")
+    for name in sorted(found.keys() & (expected.keys() | optional.keys())):
+        spec = expected.get(name) or optional[name]
+        problems += _tensor_problems(name, found[name], spec)
+    if problems:
+        raise ValueError(f"{source} does not match the model:\n  " + "\n  ".join(problems))
+
+
+def _tensor_problems(name: str, info: TensorInfo, spec: TensorSpec) -> list[str]:
+    problems = []
+    if info.shape != spec.shape:
+        problems.append(f"mis-shaped: {name}: expected {list(spec.shape)}, got {list(info.shape)}")
+    if spec.dtype is None and not info.dtype.is_floating_point:
+        problems.append(f"non-floating dtype: {name}: {info.dtype} (weights must be floating)")
+    if spec.dtype is not None and info.dtype != spec.dtype:
+        problems.append(f"wrong dtype: {name}: expected {spec.dtype}, got {info.dtype}")
+    return problems

@@ -1,0 +1,321 @@
+"""EAGLE draft heads: what they compute, in the same conventions as the Llama target.
+
+Three kinds, one class each, all with the same call:
+  head(tokens [B,T], features [B,T,H], positions [B,T], attn) -> DraftOutput
+where `features` is the previous step's feature for each token: the target's contribution on
+the first step (`head.target_features(target_out)`), the head's own `hidden` after that.
+
+  Eagle1Head  EAGLE-1/2: x = fc([embed(tok), feature]); decoder layer(s), the first without
+              input norm; logits = target lm_head(x), no final norm. Feature: the target's
+              post-norm hidden state.
+  Eagle3Head  EAGLE-3: feature = fc(three target taps) on the first step; one mid layer
+              attending over [input_layernorm(embed(tok)), hidden_norm(feature)];
+              logits = lm_head(norm(x)) over a draft vocabulary, mapped back by `d2t`.
+  DenseHead   the multi-layer drafter of arXiv 2508.08192: x = fc([embed(tok), feature]);
+              N full decoder layers; logits = lm_head(norm(x)) (own lm_head, or the target's
+              when `DraftConfig.shared_lm_head`).
+
+Sharing: every head embeds tokens with the TARGET's embed_tokens, except an EAGLE-3 head
+whose hidden size differs from the target's, which owns an embedding. EAGLE-1 heads (and
+dense heads with shared_lm_head) project with the target's lm_head. Borrowed modules are held
+in `head.shared`, not registered: they are not in the head's parameters or state_dict (the
+target owns, moves and saves them), so a checkpoint's `embed_tokens.weight` copy is dropped
+on load (see loading.py).
+
+Parameter names are the published checkpoint names (yuhuili EAGLE / EAGLE-3, SpecForge), so
+checkpoints load without renaming. Attention goes through models.llama's Attention, i.e.
+models/attention.py, over the head's own committed KV cache + side buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import DraftConfig, LlamaConfig
+from .llama import (
+    MLP,
+    Attention,
+    AttentionInputs,
+    DecoderLayer,
+    Llama,
+    ModelOutput,
+    RMSNorm,
+    RotaryEmbedding,
+)
+
+NUM_EAGLE3_TAPS = 3
+
+
+@dataclass
+class DraftOutput:
+    """One draft forward over T new tokens.
+
+    hidden: [B, T, H] the head's output hidden state (pre final norm): the next step's feature.
+    logits: [B, T, V_draft] over the head's output vocabulary (`to_target_ids` maps ids back).
+    k_new, v_new: [num_layers, B, Hkv, T, D] keys/values of the new tokens, for the caller to
+        commit to the draft cache or keep in the side buffer.
+    """
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SharedModules:
+    """Target modules a head borrows (unregistered: the target owns and saves them)."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+
+def run_layers(
+    layers: nn.ModuleList,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    attn: AttentionInputs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decoder layers in order. x: [B, T, H]. Returns x and stacked k, v [L, B, Hkv, T, D]."""
+    k_new, v_new = [], []
+    for i, layer in enumerate(layers):
+        x, k, v = layer(x, rope, attn, i)
+        k_new.append(k)
+        v_new.append(v)
+    return x, torch.stack(k_new), torch.stack(v_new)
+
+
+class DraftHead(nn.Module):
+    """What every head shares: its config, borrowed target modules, rotary tables."""
+
+    def __init__(self, config: DraftConfig, shared: SharedModules) -> None:
+        super().__init__()
+        self.config = config
+        self.shared = shared
+        self.rotary = RotaryEmbedding(config.layer)
+
+    @property
+    def uses_taps(self) -> bool:
+        """Whether the first-step features come from the target's taps (EAGLE-3)."""
+        return False
+
+    @property
+    def num_layers(self) -> int:
+        """Attention layers, i.e. the leading dimension of the head's KV cache."""
+        return self.config.num_layers
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recompute non-persistent buffers after meta-device construction."""
+        self.rotary.init_buffers(device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B, T] int64 target ids. Returns [B, T, H_embed]."""
+        return self.shared.embed_tokens(tokens)
+
+    def target_features(self, target_out: ModelOutput) -> torch.Tensor:
+        """First-step features [B, T, H] from a target forward: its post-norm hidden state."""
+        return target_out.hidden
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """draft_ids: int64 ids in the head's output vocabulary. Returns target ids, same shape."""
+        return draft_ids
+
+
+class Eagle1Head(DraftHead):
+    """EAGLE-1/2 head (yuhuili `cnets1.py` layout: `fc`, `layers.{i}`, no input norm on 0)."""
+
+    def __init__(self, config: DraftConfig, shared: SharedModules) -> None:
+        super().__init__(config, shared)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config.layer, input_norm=i > 0) for i in range(config.num_layers)
+        )
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> DraftOutput:
+        """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache."""
+        x = self.fc(torch.cat([self.embed(tokens), features], dim=-1))
+        rope = self.rotary(positions, x.dtype)
+        x, k_new, v_new = run_layers(self.layers, x, rope, attn)
+        return DraftOutput(x, self.shared.lm_head(x), k_new, v_new)
+
+
+class DenseHead(DraftHead):
+    """N-layer dense drafter: `fc`, `layers.{i}` (full decoder layers), `norm`, `lm_head`."""
+
+    def __init__(self, config: DraftConfig, shared: SharedModules) -> None:
+        super().__init__(config, shared)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(config.layer) for _ in range(config.num_layers))
+        self.norm = RMSNorm(hidden, config.layer.rms_norm_eps)
+        if not config.shared_lm_head:
+            self.lm_head = nn.Linear(hidden, config.vocab_out, bias=False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., H] pre-norm. Returns [..., vocab]."""
+        lm_head = self.shared.lm_head if self.config.shared_lm_head else self.lm_head
+        return lm_head(self.norm(hidden))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> DraftOutput:
+        """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache."""
+        x = self.fc(torch.cat([self.embed(tokens), features], dim=-1))
+        rope = self.rotary(positions, x.dtype)
+        x, k_new, v_new = run_layers(self.layers, x, rope, attn)
+        return DraftOutput(x, self.logits(x), k_new, v_new)
+
+
+class Eagle3MidLayer(nn.Module):
+    """EAGLE-3 decoder layer: attention reads [norm(embedding), norm(feature)] (2H wide)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(config, in_features=2 * hidden)
+        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionInputs,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """embeds, features: [B, T, H]. Returns x [B, T, H] and k, v [B, Hkv, T, D]."""
+        mixed = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+        h, k, v = self.self_attn(mixed, rope, attn, layer)
+        x = features + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class Eagle3Head(DraftHead):
+    """EAGLE-3 head (yuhuili / SpecForge layout: `fc`, `midlayer`, `norm`, `lm_head`,
+    buffers `d2t` [draft_vocab] int64 and `t2d` [vocab] bool)."""
+
+    def __init__(self, config: DraftConfig, shared: SharedModules) -> None:
+        super().__init__(config, shared)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(NUM_EAGLE3_TAPS * config.feature_size, hidden, bias=config.fc_bias)
+        self.midlayer = Eagle3MidLayer(config.layer)
+        self.norm = RMSNorm(hidden, config.layer.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.vocab_out, bias=False)
+        # target_id = draft_id + d2t[draft_id]; t2d[target_id] marks the draft vocabulary.
+        # Until trained or loaded: the first draft_vocab target ids.
+        self.register_buffer("d2t", torch.zeros(config.vocab_out, dtype=torch.int64))
+        vocab_ids = torch.arange(config.layer.vocab_size)
+        self.register_buffer("t2d", vocab_ids < config.vocab_out)
+        if shared.embed_tokens.embedding_dim != hidden:
+            self.embed_tokens = nn.Embedding(config.layer.vocab_size, hidden)
+
+    @property
+    def uses_taps(self) -> bool:
+        return True
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B, T] int64 target ids. Returns [B, T, H]."""
+        if hasattr(self, "embed_tokens"):
+            return self.embed_tokens(tokens)
+        return self.shared.embed_tokens(tokens)
+
+    def project(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps: [B, T, num_taps * target_H] (Llama ModelOutput.taps). Returns [B, T, H]."""
+        return self.fc(taps)
+
+    def target_features(self, target_out: ModelOutput) -> torch.Tensor:
+        """First-step features [B, T, H]: the projected target taps."""
+        return self.project(target_out.taps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., H] pre-norm. Returns [..., draft_vocab]."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """draft_ids: int64 in [0, draft_vocab). Returns the target ids, same shape, int64."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> DraftOutput:
+        """tokens, positions: [B, T] int64; features: [B, T, H], already projected (a
+        `project(taps)` result or a previous `hidden`). attn: the draft's cache (1 layer)."""
+        rope = self.rotary(positions, features.dtype)
+        x, k, v = self.midlayer(self.embed(tokens), features, rope, attn, 0)
+        return DraftOutput(x, self.logits(x), k[None], v[None])
+
+
+_HEAD_OF_KIND: dict[str, type[DraftHead]] = {
+    "eagle1": Eagle1Head,
+    "eagle3": Eagle3Head,
+    "dense": DenseHead,
+}
+
+
+def check_compatible(config: DraftConfig, target: Llama) -> None:
+    """Raise ValueError naming every way `config` cannot run on `target`."""
+    problems = []
+    target_cfg = target.config
+    if config.layer.vocab_size != target_cfg.vocab_size:
+        problems.append(
+            f"vocab_size {config.layer.vocab_size} != target vocab_size {target_cfg.vocab_size}"
+        )
+    if config.feature_size != target_cfg.hidden_size:
+        problems.append(
+            f"the head reads target features of width {config.feature_size} "
+            f"(target_hidden_size), the target's hidden_size is {target_cfg.hidden_size}"
+        )
+    if config.kind != "eagle3" and config.hidden_size != target_cfg.hidden_size:
+        problems.append(
+            f"{config.kind} heads share the target's embedding, so hidden_size "
+            f"{config.hidden_size} must equal the target's {target_cfg.hidden_size}"
+        )
+    if config.kind == "eagle3":
+        problems += _tap_problems(config, target)
+    if problems:
+        raise ValueError("draft head does not fit the target: " + "; ".join(problems))
+
+
+def _tap_problems(config: DraftConfig, target: Llama) -> list[str]:
+    if len(target.tap_layers) != NUM_EAGLE3_TAPS:
+        taps = target.tap_layers
+        return [f"EAGLE-3 needs {NUM_EAGLE3_TAPS} target taps, the target has tap_layers={taps}"]
+    if config.tap_layers is not None and tuple(config.tap_layers) != tuple(target.tap_layers):
+        return [
+            f"the head was trained on taps {config.tap_layers}, the target produces "
+            f"{target.tap_layers}; load the target with tap_layers={config.tap_layers}"
+        ]
+    return []
+
+
+def build_draft(config: DraftConfig, target: Llama) -> DraftHead:
+    """The head `config` describes, wired to `target`'s embedding (and lm_head where shared).
+
+    Parameters are created on the current default device (use `torch.device("meta")` to
+    build without allocating, as loading.py does); the target's modules are borrowed as is.
+    """
+    check_compatible(config, target)
+    shared = SharedModules(target.embed_tokens, target.lm_head)
+    return _HEAD_OF_KIND[config.kind](config, shared)

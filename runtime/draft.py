@@ -1,0 +1,156 @@
+"""The draft side of a round: extend the draft cache, expand the tree level by level, rerank.
+
+Draft position convention (as EAGLE trains its heads): draft position j holds the pair
+(token j+1, feature of position j), and its output predicts token j+2. So the pair
+(root, feature of the last committed token) sits at the last committed draft position, and a
+level-l tree node at that position + l.
+
+Draft extend runs the head over the pairs pending from the last round (accepted tokens with
+the target's features, at most D+1, padded) and commits them to the draft cache. Expansion runs
+the head over the K frontier nodes of each level; their K/V live in a side buffer that later
+levels attend to under a rectangular ancestor mask, and are dropped at the end of the round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.attention import chain_ancestors, pack_ancestor_mask
+from ..models.eagle import DraftHead
+from ..models.llama import AttentionInputs
+from .kv_cache import KVCache
+from .tree import Candidates, Tree, TreeShape, expand_level, first_level, rerank
+
+
+@dataclass
+class PendingPairs:
+    """Pairs the draft has not seen yet, per slot.
+
+    tokens: [B, P] int64; features: [B, P, H] target features (already projected for EAGLE-3);
+    num_valid: [B] int64 valid pairs (the rest is padding, never committed).
+    """
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    num_valid: torch.Tensor
+
+
+@dataclass
+class _Frontier:
+    """The K nodes of the level being expanded: tokens [B, K], features [B, K, H] (their
+    parents' draft hidden states), scores [B, K], candidate indices [B, K], and anc [B, K, S]:
+    which side-buffer slots (earlier frontier nodes) each node descends from."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    scores: torch.Tensor
+    candidate: torch.Tensor
+    anc: torch.Tensor
+
+
+def draft_extend(
+    head: DraftHead, cache: KVCache, pending: PendingPairs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Commit the pending pairs to the draft cache.
+
+    Returns the root's feature [B, H] (the head's hidden state at the last valid pair) and the
+    log-probabilities of the root's children [B, V_draft].
+    """
+    batch, num_pairs = pending.tokens.shape
+    device = pending.tokens.device
+    positions = cache.lengths[:, None] + torch.arange(num_pairs, device=device)
+    anc = chain_ancestors(batch, num_pairs, device)
+    out = head(pending.tokens, pending.features, positions, cache.attention_inputs(anc))
+    cache.append(out.k_new, out.v_new, pending.num_valid)
+    last = (pending.num_valid - 1).clamp_min(0)
+    rows = torch.arange(batch, device=device)
+    return out.hidden[rows, last], out.logits[rows, last].float().log_softmax(-1)
+
+
+def draft_tree(
+    head: DraftHead,
+    cache: KVCache,
+    pending: PendingPairs,
+    root: torch.Tensor,
+    shape: TreeShape,
+) -> Tree:
+    """Draft one round's tree.
+
+    Args:
+        head: the draft head.
+        cache: the draft KV cache (pending pairs are committed to it).
+        pending: pairs from the last round (see PendingPairs).
+        root: [B] int64 the pending root token.
+        shape: (D, K, N).
+    """
+    root_feature, root_logp = draft_extend(head, cache, pending)
+    tokens, scores = first_level(root_logp, shape.topk)
+    tokens = head.to_target_ids(tokens)
+    batch, topk = tokens.shape
+    device = tokens.device
+    candidate = torch.arange(topk, device=device).expand(batch, -1)
+    cands = Candidates(tokens, scores, torch.full_like(tokens, -1))
+    frontier = _Frontier(
+        tokens=tokens,
+        features=root_feature[:, None].expand(-1, topk, -1),
+        scores=scores,
+        candidate=candidate,
+        anc=torch.zeros(batch, topk, 0, dtype=torch.bool, device=device),
+    )
+    side: tuple[torch.Tensor, torch.Tensor] | None = None
+    for level in range(1, shape.depth):
+        frontier, side, level_cands = _expand(head, cache, frontier, side, level, shape)
+        cands = Candidates(
+            torch.cat([cands.tokens, level_cands.tokens], 1),
+            torch.cat([cands.scores, level_cands.scores], 1),
+            torch.cat([cands.parent, level_cands.parent], 1),
+        )
+    return rerank(root, cands, shape)
+
+
+def _expand(
+    head: DraftHead,
+    cache: KVCache,
+    frontier: _Frontier,
+    side: tuple[torch.Tensor, torch.Tensor] | None,
+    level: int,
+    shape: TreeShape,
+) -> tuple[_Frontier, tuple[torch.Tensor, torch.Tensor], Candidates]:
+    """Run the head on the level-`level` frontier; score its children; pick the next frontier."""
+    batch, topk = frontier.tokens.shape
+    device = frontier.tokens.device
+    itself = torch.eye(topk, dtype=torch.bool, device=device).expand(batch, -1, -1)
+    visible = torch.cat([frontier.anc, itself], dim=-1)
+    attn = AttentionInputs(
+        cache.k,
+        cache.v,
+        cache.lengths,
+        pack_ancestor_mask(visible),
+        None if side is None else side[0],
+        None if side is None else side[1],
+    )
+    positions = (cache.lengths - 1 + level)[:, None].expand(-1, topk)
+    out = head(frontier.tokens, frontier.features, positions, attn)
+    side_k = out.k_new if side is None else torch.cat([side[0], out.k_new], dim=3)
+    side_v = out.v_new if side is None else torch.cat([side[1], out.v_new], dim=3)
+    logp = out.logits.float().log_softmax(-1)
+    tokens, scores, parent, chosen = expand_level(frontier.scores, logp, shape.topk)
+    tokens = head.to_target_ids(tokens)
+    offset = shape.topk + (level - 1) * shape.topk**2
+    chosen_parent = parent.gather(1, chosen)
+    next_frontier = _Frontier(
+        tokens=tokens.gather(1, chosen),
+        features=_rows(out.hidden, chosen_parent),
+        scores=scores.gather(1, chosen),
+        candidate=offset + chosen,
+        anc=_rows(visible, chosen_parent),
+    )
+    level_cands = Candidates(tokens, scores, frontier.candidate.gather(1, parent))
+    return next_frontier, (side_k, side_v), level_cands
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x: [B, K, F], index: [B, J] -> [B, J, F] (row gather per slot)."""
+    return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))

@@ -1,0 +1,124 @@
+"""Launch configuration for `rt::tree_attention`: a fixed heuristic table keyed on static shapes.
+
+No autotuning: the choice depends only on shapes known at trace time (batch, heads, tree size,
+cache size S, head dim) and the device's multiprocessor count, so it is deterministic at
+CUDA-graph capture and never depends on `cache_len` values. The numbers were tuned on an H100
+(see BENCHMARKS.md, "Kernels: rt::tree_attention").
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# Below one program per multiprocessor, the prefix is split until there are about this many.
+_TARGET_PROGRAMS_PER_SM = 2
+# A split reads at least this many key blocks, so its partial write stays small next to it.
+_MIN_BLOCKS_PER_SPLIT = 4
+# Prefix splits + the tree split stay <= 64: the combine kernel loads them all at once.
+_MAX_SPLITS = 63
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and split-K layout of one `rt::tree_attention` launch.
+
+    block_r: rows (group heads x tree queries) per program; block_n: keys per inner step;
+    num_splits / split_len: the prefix [0, S) is cut into num_splits ranges of split_len keys
+    (past one, the launch adds a split for the tree keys and a combine kernel).
+    """
+
+    block_r: int
+    block_n: int
+    num_splits: int
+    split_len: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_r", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        if self.num_splits < 1 or self.split_len < 1 or self.split_len % self.block_n:
+            raise ValueError(
+                f"num_splits={self.num_splits} must be >= 1 and split_len={self.split_len} "
+                f"a positive multiple of block_n={self.block_n}"
+            )
+
+
+@functools.cache
+def _num_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_multiprocessors(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device (cached; no sync)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_multiprocessors(index)
+
+
+def _tile_shape(num_rows: int, head_dim: int) -> tuple[int, int, int]:
+    """(block_r, block_n, num_warps) for `num_rows` rows per KV head.
+
+    Few rows (M * G <= 32: decode, small trees) are bandwidth-bound: 64-key blocks. More rows
+    are bound by the tensor cores and the softmax: 64-row blocks over 32-key blocks measured
+    faster than 128-row blocks (which also overflow shared memory at 64 keys and 3 stages).
+    """
+    block_r = min(max(16, triton.next_power_of_2(num_rows)), 64)
+    if head_dim > 128:
+        return block_r, 32, 4
+    return block_r, 64 if block_r <= 32 else 32, 4
+
+
+def split_layout(
+    *, num_programs: int, cache_size: int, block_n: int, num_sms: int
+) -> tuple[int, int]:
+    """(num_splits, split_len) for a prefix of `cache_size` keys and `num_programs` programs
+    per split: no split once the programs cover the multiprocessors (a combine pass costs
+    more than it gains), else about _TARGET_PROGRAMS_PER_SM programs per multiprocessor."""
+    num_blocks = max(1, triton.cdiv(cache_size, block_n))
+    wanted = 1
+    if num_programs < num_sms:
+        wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, num_programs)
+    num_splits = max(1, min(wanted, num_blocks // _MIN_BLOCKS_PER_SPLIT, _MAX_SPLITS))
+    split_len = triton.cdiv(num_blocks, num_splits) * block_n
+    return triton.cdiv(num_blocks * block_n, split_len), split_len
+
+
+def launch_config(
+    *,
+    batch: int,
+    num_kv_heads: int,
+    num_rows: int,
+    cache_size: int,
+    head_dim: int,
+    num_sms: int,
+) -> LaunchConfig:
+    """The launch config for one call.
+
+    Args:
+        batch, num_kv_heads: B and Hkv.
+        num_rows: rows per KV head, (Hq / Hkv) * M.
+        cache_size: static cache length S (not the committed lengths).
+        head_dim: D.
+        num_sms: multiprocessors of the device.
+    """
+    block_r, block_n, num_warps = _tile_shape(num_rows, head_dim)
+    num_programs = batch * num_kv_heads * triton.cdiv(num_rows, block_r)
+    num_splits, split_len = split_layout(
+        num_programs=num_programs, cache_size=cache_size, block_n=block_n, num_sms=num_sms
+    )
+    # A third stage pays on long per-program loops, not on short split ranges of few rows.
+    long_loop = num_splits == 1 or block_r > 32
+    return LaunchConfig(
+        block_r=block_r,
+        block_n=block_n,
+        num_splits=num_splits,
+        split_len=split_len,
+        num_warps=num_warps,
+        num_stages=3 if long_loop and head_dim <= 128 else 2,
+    )

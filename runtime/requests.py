@@ -1,0 +1,68 @@
+"""Request bookkeeping shared by every decoder: validation, stop masks, results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingParams, validate_prompt_ids
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass
+class Generation:
+    """One request's result: generated ids (a final stop token included) and why it ended."""
+
+    token_ids: list[int]
+    finish_reason: str
+
+
+def check_requests(
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    *,
+    vocab_size: int,
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Validate tokenized prompts and their sampling parameters (one, or one per prompt)."""
+    if isinstance(prompts, (str, bytes)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    checked = [
+        validate_prompt_ids(p, vocab_size=vocab_size, index=i) for i, p in enumerate(prompts)
+    ]
+    if isinstance(params, SamplingParams):
+        params = [params] * len(checked)
+    params = list(params)
+    if len(params) != len(checked):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(checked)} prompts")
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError("params must be SamplingParams (one, or one per prompt)")
+    return checked, params
+
+
+def stop_mask(
+    params: Sequence[SamplingParams],
+    eos_token_ids: Sequence[int],
+    *,
+    vocab_size: int,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """[B, V] bool: token t ends slot b (EOS unless ignore_eos, plus the stop ids)."""
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    for slot, p in enumerate(params):
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        mask[slot, [t for t in stop_ids if t < vocab_size]] = True
+    return mask.to(device)
+
+
+def seeded_generator(
+    params: Sequence[SamplingParams], device: torch.device | str
+) -> torch.Generator | None:
+    """A device generator seeded by the first request that has a seed (None: global RNG)."""
+    seed = next((p.seed for p in params if p.seed is not None), None)
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)

@@ -1,0 +1,174 @@
+"""Speculative decoding of a batch: prefill, then rounds until every slot is done.
+
+The prefill (dynamic prompt length, outside any graph) runs the target over the prompts, samples
+the root token, fills the target cache and the draft cache (pairs (token j+1, feature j)), and
+leaves (root, last feature) pending for the first round's draft extend. The host loop here reads
+the done flags once per round; the CUDA-graph runner replaces it with an asynchronous one
+around the same `speculative_round`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.attention import chain_ancestors
+from ..models.eagle import DraftHead
+from ..models.llama import Llama
+from .config import SamplingParams
+from .draft import PendingPairs
+from .kv_cache import KVCache
+from .requests import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    check_requests,
+    seeded_generator,
+    stop_mask,
+)
+from .round import FINISH_NONE, SpecState, emit, speculative_round
+from .sampling import SamplingTensors, sample, target_probs
+from .tree import TreeShape
+
+_FINISH_NAMES = {FINISH_NONE: FINISH_LENGTH, 1: FINISH_STOP, 2: FINISH_LENGTH}
+
+
+@dataclass
+class SpecStats:
+    """Statistics of one run: rounds, accepted draft tokens per slot-round (histogram over
+    0..D), wall time of the prefill and of the rounds."""
+
+    num_rounds: int = 0
+    accepted_histogram: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    round_seconds: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Mean tokens emitted per slot-round (accepted draft tokens + the bonus)."""
+        total = sum(self.accepted_histogram)
+        if not total:
+            return 0.0
+        return sum((a + 1) * n for a, n in enumerate(self.accepted_histogram)) / total
+
+
+def speculative_generate(
+    target: Llama,
+    head: DraftHead,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    *,
+    shape: TreeShape,
+    eos_token_ids: Sequence[int] = (),
+) -> tuple[list[Generation], SpecStats]:
+    """Decode a batch of tokenized prompts with draft trees of the given shape."""
+    prompts, params = check_requests(prompts, params, vocab_size=target.config.vocab_size)
+    device = target.lm_head.weight.device
+    generator = seeded_generator(params, device)
+    stats = SpecStats(accepted_histogram=[0] * (shape.depth + 1))
+    started = time.perf_counter()
+    state = prefill(target, head, prompts, params, eos_token_ids, shape=shape, generator=generator)
+    stats.prefill_seconds = time.perf_counter() - started
+    while not bool(state.done.all()):
+        active = ~state.done
+        num_accepted = speculative_round(target, head, state, shape, generator)
+        counts = torch.bincount(num_accepted[active], minlength=shape.depth + 1)
+        stats.accepted_histogram = [
+            a + b for a, b in zip(stats.accepted_histogram, counts.tolist(), strict=True)
+        ]
+        stats.num_rounds += 1
+    stats.round_seconds = time.perf_counter() - started - stats.prefill_seconds
+    return _results(state), stats
+
+
+def prefill(
+    target: Llama,
+    head: DraftHead,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    eos_token_ids: Sequence[int],
+    *,
+    shape: TreeShape,
+    generator: torch.Generator | None,
+) -> SpecState:
+    """Build the state of a fresh batch: caches filled, root sampled, first pair pending."""
+    device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+    batch, length = len(prompts), max(map(len, prompts))
+    max_new = torch.tensor([p.max_new_tokens for p in params], device=device)
+    # A slot's last round may commit up to D+1 tokens past its limit, and a finished slot
+    # still writes (without committing) D+1 entries per round after that.
+    capacity = length + int(max_new.max()) + 2 * (shape.depth + 1)
+    state = SpecState(
+        target=KVCache.allocate(
+            target.config, batch_size=batch, capacity=capacity, dtype=dtype, device=device
+        ),
+        draft=KVCache.allocate(
+            head.config.layer,
+            num_layers=head.num_layers,
+            batch_size=batch,
+            capacity=capacity,
+            dtype=dtype,
+            device=device,
+        ),
+        root=torch.zeros(batch, dtype=torch.int64, device=device),
+        pending=None,
+        output=torch.zeros(batch, capacity, dtype=torch.int64, device=device),
+        num_output=torch.zeros(batch, dtype=torch.int64, device=device),
+        max_new=max_new,
+        stop_mask=stop_mask(
+            params, eos_token_ids, vocab_size=target.config.vocab_size, device=device
+        ),
+        done=max_new == 0,
+        finish=torch.full((batch,), FINISH_NONE, device=device),
+        sampling=SamplingTensors.from_params(params, device),
+    )
+    tokens = torch.zeros(batch, length, dtype=torch.int64, device=device)
+    for slot, prompt in enumerate(prompts):
+        tokens[slot, : len(prompt)] = torch.tensor(prompt, device=device)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    features = _prefill_target(target, head, state, tokens, lengths, generator)
+    _prefill_draft(head, state, tokens, features, lengths, shape)
+    emit(state, state.root[:, None], torch.ones_like(lengths), max_new == 0)
+    return state
+
+
+def _prefill_target(target, head, state, tokens, lengths, generator) -> torch.Tensor:
+    """Target over the prompts: cache filled, root sampled. Returns features [B, T, H]."""
+    batch, length = tokens.shape
+    positions = torch.arange(length, device=tokens.device).expand(batch, length)
+    anc = chain_ancestors(batch, length, tokens.device)
+    out = target(tokens, positions, state.target.attention_inputs(anc))
+    state.target.append(out.k_new, out.v_new, lengths)
+    last = out.hidden[torch.arange(batch, device=tokens.device), lengths - 1]
+    state.root = sample(target_probs(target.logits(last), state.sampling), generator)
+    return head.target_features(out)
+
+
+def _prefill_draft(head, state, tokens, features, lengths, shape) -> None:
+    """Draft over pairs (token j+1, feature j) of the prompt; (root, last feature) pending."""
+    batch, length = tokens.shape
+    rows = torch.arange(batch, device=tokens.device)
+    if length > 1:
+        pairs = length - 1
+        positions = torch.arange(pairs, device=tokens.device).expand(batch, pairs)
+        anc = chain_ancestors(batch, pairs, tokens.device)
+        out = head(tokens[:, 1:], features[:, :-1], positions, state.draft.attention_inputs(anc))
+        state.draft.append(out.k_new, out.v_new, lengths - 1)
+    pending_tokens = torch.zeros(batch, shape.depth + 1, dtype=torch.int64, device=tokens.device)
+    pending_tokens[:, 0] = state.root
+    pending_features = features.new_zeros(batch, shape.depth + 1, features.shape[-1])
+    pending_features[:, 0] = features[rows, lengths - 1]
+    state.pending = PendingPairs(pending_tokens, pending_features, torch.ones_like(lengths))
+
+
+def _results(state: SpecState) -> list[Generation]:
+    outputs = state.output.tolist()
+    return [
+        Generation(outputs[b][:n], _FINISH_NAMES[f])
+        for b, (n, f) in enumerate(
+            zip(state.num_output.tolist(), state.finish.tolist(), strict=True)
+        )
+    ]

@@ -1,0 +1,278 @@
+"""rt::tree_attention vs the reference tree attention in models/attention.py.
+
+CPU tier: the op's CPU implementation on hypothesis-drawn shapes, opcheck, torch.compile, and the
+Triton kernels under TRITON_INTERPRET=1 (in a subprocess, so the variable never reaches the
+triton imported here). GPU tier (`-m gpu`): the Triton kernels on odd shapes, under
+torch.compile, and replayed from a CUDA graph with changed cache lengths.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specrun.models.attention import pack_ancestor_mask
+from specrun.models.attention import tree_attention as model_tree_attention
+from specrun.runtime.kernels.tree_attention import (
+    launch_tree_attention,
+    tree_attention,
+    tree_attention_ref,
+)
+from specrun.runtime.kernels.tree_attention_config import LaunchConfig
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One tree-attention problem: B slots, Hq/Hkv heads, M queries over S cache + N tree keys."""
+
+    batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    num_queries: int
+    num_tree: int
+    cache_size: int
+    head_dim: int
+
+
+def make_inputs(
+    case: Case,
+    *,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    cache_len: list[int] | None = None,
+    generator: torch.Generator | None = None,
+    layer_buffer: bool = False,
+) -> dict:
+    """Random inputs for `case` as keyword arguments of tree_attention (scale included).
+
+    Each query sees at least one tree key, so no output row is fully masked. With
+    `layer_buffer`, the cache is layer 1 of a [3, B, Hkv, S + 7, D] buffer cut to S positions
+    (non-contiguous: batch and head strides of the larger buffer).
+    """
+    c = case
+    gen = generator or torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+    cache_shape = (c.batch, c.num_kv_heads, c.cache_size, c.head_dim)
+    if layer_buffer:
+        buffer_shape = (3, c.batch, c.num_kv_heads, c.cache_size + 7, c.head_dim)
+        k_cache = randn(*buffer_shape)[1, :, :, : c.cache_size]
+        v_cache = randn(*buffer_shape)[1, :, :, : c.cache_size]
+    else:
+        k_cache, v_cache = randn(*cache_shape), randn(*cache_shape)
+    if cache_len is None:
+        cache_len = torch.randint(0, c.cache_size + 1, (c.batch,), generator=gen).tolist()
+    mask = torch.rand(c.batch, c.num_queries, c.num_tree, generator=gen) < 0.5
+    forced = torch.randint(0, c.num_tree, (c.batch, c.num_queries, 1), generator=gen)
+    mask.scatter_(-1, forced, True)
+    return {
+        "q": randn(c.batch, c.num_q_heads, c.num_queries, c.head_dim),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "cache_len": torch.tensor(cache_len, dtype=torch.int64, device=device),
+        "k_tree": randn(c.batch, c.num_kv_heads, c.num_tree, c.head_dim),
+        "v_tree": randn(c.batch, c.num_kv_heads, c.num_tree, c.head_dim),
+        "anc": pack_ancestor_mask(mask).to(device),
+        "scale": c.head_dim**-0.5,
+    }
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN if out has NaNs)."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _model_ref(inputs: dict) -> torch.Tensor:
+    """models/attention.py's SDPA formulation in float64 on the CPU."""
+    args = {k: v.cpu() for k, v in inputs.items() if k != "scale"}
+    args = {k: v.double() if v.is_floating_point() else v for k, v in args.items()}
+    return model_tree_attention(**args, scale=inputs["scale"])
+
+
+@st.composite
+def cases(draw) -> tuple[Case, list[int]]:
+    num_kv_heads = draw(st.integers(1, 3))
+    case = Case(
+        batch=draw(st.integers(1, 3)),
+        num_q_heads=num_kv_heads * draw(st.sampled_from([1, 2, 4])),
+        num_kv_heads=num_kv_heads,
+        num_queries=draw(st.integers(1, 9)),
+        num_tree=draw(st.integers(1, 70)),
+        cache_size=draw(st.integers(0, 45)),
+        head_dim=draw(st.sampled_from([4, 8, 16])),
+    )
+    lens = draw(st.lists(st.integers(0, case.cache_size), min_size=case.batch, max_size=case.batch))
+    return case, lens
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    drawn=cases(), dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 99)
+)
+def test_cpu_op_matches_model_reference(drawn, dtype, seed):
+    case, lens = drawn
+    gen = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(case, dtype=dtype, cache_len=lens, generator=gen)
+    out = tree_attention(**inputs)
+    assert out.dtype == dtype and out.shape == inputs["q"].shape
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert relative_error(out, _model_ref(inputs)) < tol
+
+
+def test_ref_fully_masked_row_is_zero():
+    inputs = make_inputs(Case(1, 2, 1, 2, 3, 8, 8), dtype=torch.float64, cache_len=[0])
+    inputs["anc"][0, 1] = 0
+    out = tree_attention_ref(**inputs)
+    assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
+    assert torch.isfinite(out).all()
+
+
+def test_opcheck():
+    inputs = make_inputs(Case(2, 4, 2, 3, 4, 11, 8), dtype=torch.float32, cache_len=[5, 0])
+    scale = inputs.pop("scale")
+    torch.library.opcheck(
+        torch.ops.rt.tree_attention.default, tuple(inputs.values()), {"scale": scale}
+    )
+
+
+def test_compile_fullgraph_cpu():
+    inputs = make_inputs(Case(2, 4, 2, 3, 6, 13, 8), dtype=torch.float32, cache_len=[13, 4])
+
+    def attend(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, *, scale):
+        return tree_attention(q * 2, k_cache, v_cache, cache_len, k_tree, v_tree, anc,
+                              scale=scale) + 1  # fmt: skip
+
+    compiled = torch.compile(attend, fullgraph=True, backend="inductor")
+    expected = attend(**inputs)
+    torch.testing.assert_close(compiled(**inputs), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_kernel_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+INTERPRET_CASES = (
+    # (case, cache_len, block_r, block_n, num_splits, split_len)
+    (Case(2, 4, 2, 3, 5, 37, 16), [37, 0], 16, 16, 1, 48),
+    (Case(2, 4, 1, 5, 70, 50, 32), [13, 50], 32, 16, 3, 32),
+    (Case(1, 2, 2, 1, 1, 20, 16), [20], 16, 16, 2, 16),
+    (Case(1, 8, 2, 9, 9, 40, 16), [33], 16, 16, 2, 32),
+)
+
+
+def _interpret_main() -> int:
+    """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference."""
+    failures = 0
+    for i, (case, lens, block_r, block_n, num_splits, split_len) in enumerate(INTERPRET_CASES):
+        gen = torch.Generator().manual_seed(i)
+        inputs = make_inputs(case, dtype=torch.float32, cache_len=lens, generator=gen)
+        config = LaunchConfig(block_r, block_n, num_splits, split_len, num_warps=4, num_stages=1)
+        out = launch_tree_attention(**inputs, config=config)
+        err = relative_error(out, _model_ref(inputs))
+        ok = err < 1e-5
+        failures += not ok
+        print(f"case {i}: {case} splits={num_splits} rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
+    return 1 if failures else 0
+
+
+# GPU tier ---------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # batch, Hq, Hkv, M, N, S, D
+    pytest.param(Case(3, 8, 8, 5, 5, 1000, 64), id="mha-d64"),
+    pytest.param(Case(2, 32, 8, 7, 7, 2049, 128), id="gqa4-d128"),
+    pytest.param(Case(2, 32, 4, 3, 13, 777, 128), id="gqa8-rect"),
+    pytest.param(Case(1, 32, 8, 64, 64, 5000, 128), id="gqa4-m64"),
+    pytest.param(Case(2, 16, 2, 40, 100, 300, 64), id="gqa8-n100-w2"),
+    pytest.param(Case(4, 32, 8, 1, 1, 4097, 128), id="decode"),
+    pytest.param(Case(1, 16, 4, 128, 128, 900, 128), id="m128"),
+    pytest.param(Case(2, 8, 2, 9, 17, 333, 256), id="d256"),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_kernel_matches_reference(case, dtype):
+    gen = torch.Generator().manual_seed(case.cache_size)
+    lens = [case.cache_size, 0, case.cache_size // 3, 1][: case.batch]
+    inputs = make_inputs(case, dtype=dtype, device="cuda", cache_len=lens, generator=gen)
+    out = tree_attention(**inputs)
+    assert out.dtype == dtype and out.shape == inputs["q"].shape
+    assert relative_error(out, _model_ref(inputs)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_gpu_layer_buffer_slice_and_forced_splits(num_splits):
+    case = Case(3, 32, 8, 6, 11, 1500, 128)
+    inputs = make_inputs(case, dtype=torch.bfloat16, device="cuda", cache_len=[1500, 0, 701],
+                         layer_buffer=True)  # fmt: skip
+    assert not inputs["k_cache"].is_contiguous()
+    split_len = -(-case.cache_size // num_splits // 64) * 64
+    config = LaunchConfig(16, 64, -(-case.cache_size // split_len), split_len, 4, 3)
+    out = launch_tree_attention(**inputs, config=config)
+    assert relative_error(out, _model_ref(inputs)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp32_and_empty_cache():
+    inputs = make_inputs(Case(2, 8, 2, 4, 6, 0, 64), dtype=torch.float32, device="cuda",
+                         cache_len=[0, 0])  # fmt: skip
+    assert relative_error(tree_attention(**inputs), _model_ref(inputs)) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_compile_fullgraph():
+    inputs = make_inputs(Case(2, 32, 8, 8, 8, 1000, 128), dtype=torch.bfloat16, device="cuda",
+                         cache_len=[999, 17])  # fmt: skip
+
+    def attend(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, *, scale):
+        return tree_attention(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
+
+    out = torch.compile(attend, fullgraph=True)(**inputs)
+    assert relative_error(out, _model_ref(inputs)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cuda_graph_replay_with_new_lengths():
+    case = Case(4, 32, 8, 8, 8, 3000, 128)
+    inputs = make_inputs(case, dtype=torch.bfloat16, device="cuda", cache_len=[3000] * 4)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tree_attention(**inputs)  # warm-up: compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_attention(**inputs)
+    for lens in ([3000, 0, 1, 2999], [64, 1500, 3000, 129], [0, 0, 0, 0]):
+        inputs["cache_len"].copy_(torch.tensor(lens))
+        inputs["q"].normal_()
+        graph.replay()
+        assert relative_error(out, _model_ref(inputs)) < 1e-2, lens
+
+
+if __name__ == "__main__":
+    sys.exit(_interpret_main())

@@ -1,0 +1,87 @@
+"""Speculative decoding equals reference decoding (greedy) for drawn models, heads, trees and
+batches; perfect drafts exercise long acceptance, full trees and max-token cutoffs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specrun.runtime.config import SamplingParams
+from specrun.runtime.reference import reference_generate
+from specrun.runtime.speculative import speculative_generate
+from specrun.runtime.tree import TreeShape
+from tiny_models import TargetAsDraft, random_head, random_llama, tiny_config
+
+
+@st.composite
+def llama_configs(draw):
+    num_kv_heads = draw(st.sampled_from([1, 2, 4]))
+    head_dim = draw(st.sampled_from([8, 16, 32, 64]))
+    return tiny_config(
+        vocab_size=draw(st.integers(32, 512)),
+        num_layers=draw(st.integers(1, 3)),
+        num_heads=num_kv_heads * draw(st.sampled_from([1, 2])),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=draw(st.sampled_from([16, 32, 48])),
+    )
+
+
+@st.composite
+def tree_shapes(draw):
+    depth, topk = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    num_candidates = topk + (depth - 1) * topk**2
+    return TreeShape(depth, topk, draw(st.integers(1, min(64, num_candidates + 1))))
+
+
+def _prompts(draw, vocab: int) -> list[list[int]]:
+    lengths = draw(st.lists(st.integers(1, 10), min_size=1, max_size=8))
+    return [draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)) for n in lengths]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    config=llama_configs(),
+    shape=tree_shapes(),
+    kind=st.sampled_from(["eagle1", "eagle3", "dense", "perfect"]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_greedy_speculative_equals_reference(data, config, shape, kind, dtype):
+    target = random_llama(config, seed=data.draw(st.integers(0, 99)), dtype=dtype)
+    head = TargetAsDraft(target) if kind == "perfect" else random_head(kind, target)
+    prompts = _prompts(data.draw, config.vocab_size)
+    max_new = data.draw(st.lists(st.integers(0, 24), min_size=len(prompts), max_size=len(prompts)))
+    params = [SamplingParams(max_new_tokens=n) for n in max_new]
+    eos = data.draw(st.lists(st.integers(0, config.vocab_size - 1), max_size=2))
+    with torch.no_grad():
+        want = reference_generate(target, prompts, params, eos_token_ids=eos)
+        got, stats = speculative_generate(
+            target, head, prompts, params, shape=shape, eos_token_ids=eos
+        )
+    assert got == want
+    if kind == "perfect" and stats.num_rounds:
+        assert stats.mean_accepted_length > 1
+
+
+@pytest.mark.parametrize("shape", [TreeShape(4, 3, 10), TreeShape(8, 1, 9), TreeShape(6, 4, 40)])
+def test_perfect_draft_accepts_whole_paths(shape):
+    target = random_llama(tiny_config(vocab_size=61, num_layers=2), dtype=torch.float64)
+    with torch.no_grad():
+        # A peaked target: its greedy chain has near-zero cumulative log-prob, so the rerank
+        # keeps the whole chain and a perfect draft gets all D tokens accepted.
+        target.lm_head.weight.mul_(30.0)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    params = SamplingParams(max_new_tokens=30)
+    with torch.no_grad():
+        want = reference_generate(target, prompts, params)
+        got, stats = speculative_generate(
+            target, TargetAsDraft(target), prompts, params, shape=shape
+        )
+    assert got == want
+    assert [len(g.token_ids) for g in got] == [30] * 3
+    # every slot-round except each slot's last (cut by max_new_tokens) accepts D tokens
+    full_rounds = stats.accepted_histogram[shape.depth]
+    assert full_rounds >= sum(stats.accepted_histogram) - len(prompts)
