@@ -51,6 +51,25 @@ def _softmax_block(
 
 
 @triton.jit
+def _prefix_step(
+    q, kc_base, vc_base, skc_s, svc_s, start, hi, keys, m_i, l_i, acc, qk_scale,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Load cache keys [start, start + BLOCK_N) (masked to < hi when MASKED) and attend."""
+    pos = start + keys
+    if MASKED:
+        key_ok = pos < hi
+        k = tl.load(kc_base + pos[:, None] * skc_s, mask=key_ok[:, None], other=0.0)
+        v = tl.load(vc_base + pos[:, None] * svc_s, mask=key_ok[:, None], other=0.0)
+        visible = key_ok[None, :]
+    else:
+        k = tl.load(kc_base + pos[:, None] * skc_s)
+        v = tl.load(vc_base + pos[:, None] * svc_s)
+        visible = None
+    return _softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION)
+
+
+@triton.jit
 def _tree_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, cache_len_ptr, kt_ptr, vt_ptr, anc_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -62,14 +81,16 @@ def _tree_attention_kernel(
     sa_b, sa_m, sa_w,
     num_kv_heads, num_queries, num_tree, cache_size, split_len, num_splits, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIALS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr, PEEL_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, split, slot * kv head).
 
     With one split, a program attends to the whole prefix and then the tree keys and writes
     the output. Otherwise splits 0 .. num_splits - 2 each take one prefix range and the last
     split takes the tree keys alone (its latency overlaps the prefix instead of adding to it);
-    each writes a normalised partial output and its base-2 LSE for the combine kernel."""
+    each writes a normalised partial output and its base-2 LSE for the combine kernel.
+    PEEL_TAIL runs full prefix blocks unmasked and masks only the last one: it pays where the
+    tensor cores bind (many rows) and costs occupancy where bandwidth binds (few rows)."""
     row_block = tl.program_id(0)
     split = tl.program_id(1)
     slot_head = tl.program_id(2)
@@ -99,24 +120,24 @@ def _tree_attention_kernel(
         length = tl.where(split == num_splits - 1, 0, length)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, length)
-    # Full blocks load and score without masks; only the tail block is masked.
-    full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    for start in range(lo, full_end, BLOCK_N):
-        pos = start + keys
-        k = tl.load(kc_base + pos[:, None] * skc_s)
-        v = tl.load(vc_base + pos[:, None] * svc_s)
-        m_i, l_i, acc = _softmax_block(
-            q, k, v, None, m_i, l_i, acc, qk_scale, MASKED=False, DOT_PRECISION=DOT_PRECISION
-        )
-    if full_end < hi:
-        pos = full_end + keys
-        key_ok = pos < hi
-        k = tl.load(kc_base + pos[:, None] * skc_s, mask=key_ok[:, None], other=0.0)
-        v = tl.load(vc_base + pos[:, None] * svc_s, mask=key_ok[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_block(
-            q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, MASKED=True,
-            DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
+    if PEEL_TAIL:
+        full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, full_end, BLOCK_N):
+            m_i, l_i, acc = _prefix_step(
+                q, kc_base, vc_base, skc_s, svc_s, start, hi, keys, m_i, l_i, acc, qk_scale,
+                MASKED=False, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+        if full_end < hi:
+            m_i, l_i, acc = _prefix_step(
+                q, kc_base, vc_base, skc_s, svc_s, full_end, hi, keys, m_i, l_i, acc, qk_scale,
+                MASKED=True, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _prefix_step(
+                q, kc_base, vc_base, skc_s, svc_s, start, hi, keys, m_i, l_i, acc, qk_scale,
+                MASKED=True, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
 
     if split == num_splits - 1:
         kt_base = kt_ptr + b * skt_b + kv_head * skt_h + dims[None, :] * skt_d
@@ -209,6 +230,7 @@ def launch_tree_attention(
     else:
         part_out = part_lse = out
     group = num_q_heads // num_kv_heads
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(group * num_queries, config.block_r), num_splits, batch * num_kv_heads)
     _wrap(_tree_attention_kernel)[grid](
         q, k_cache, v_cache, cache_len, k_tree, v_tree, anc,
@@ -218,7 +240,8 @@ def launch_tree_attention(
         num_kv_heads, num_queries, k_tree.shape[2], cache_size, config.split_len, num_splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_R=config.block_r, BLOCK_N=config.block_n,
-        WRITE_PARTIALS=num_splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WRITE_PARTIALS=num_splits > 1, PEEL_TAIL=config.block_r >= 64,
+        DOT_PRECISION=dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:

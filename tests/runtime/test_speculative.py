@@ -85,3 +85,69 @@ def test_perfect_draft_accepts_whole_paths(shape):
     # every slot-round except each slot's last (cut by max_new_tokens) accepts D tokens
     full_rounds = stats.accepted_histogram[shape.depth]
     assert full_rounds >= sum(stats.accepted_histogram) - len(prompts)
+
+
+def _exact_three_token_law(target, prompt, params) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) of autoregressive sampling, by enumerating every prefix."""
+    from specrun.runtime.sampling import SamplingTensors, target_probs
+
+    vocab = target.config.vocab_size
+    sampling = SamplingTensors.from_params([params], "cpu")
+
+    def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
+        from specrun.models.attention import chain_ancestors
+        from specrun.models.llama import AttentionInputs
+
+        tokens = torch.tensor(prefixes)
+        batch, length = tokens.shape
+        cache = torch.zeros(target.config.num_layers, batch, target.config.num_kv_heads, 1, 8)
+        attn = AttentionInputs(
+            cache.double(),
+            cache.double(),
+            torch.zeros(batch, dtype=torch.int64),
+            chain_ancestors(batch, length, "cpu"),
+        )
+        hidden = target(tokens, torch.arange(length).expand(batch, -1), attn).hidden[:, -1]
+        per_slot = SamplingTensors(*(t.expand(batch) for t in vars(sampling).values()))
+        return target_probs(target.logits(hidden), per_slot)
+
+    law: dict[tuple[int, ...], float] = {}
+    p1 = next_probs([prompt])[0]
+    p2 = next_probs([[*prompt, a] for a in range(vocab)])
+    for a in range(vocab):
+        p3 = next_probs([[*prompt, a, b] for b in range(vocab)])
+        for b in range(vocab):
+            for c in range(vocab):
+                law[(a, b, c)] = float(p1[a] * p2[a, b] * p3[b, c])
+    return law
+
+
+@pytest.mark.parametrize(
+    ("kind", "params", "shape"),
+    [
+        ("perfect", SamplingParams(temperature=1.0, max_new_tokens=3), TreeShape(2, 2, 5)),
+        ("eagle1", SamplingParams(temperature=0.7, top_k=5, max_new_tokens=3), TreeShape(2, 3, 7)),
+        (
+            "perfect",
+            SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=3),
+            TreeShape(3, 2, 6),
+        ),
+    ],
+)
+def test_speculative_sampling_is_lossless(kind, params, shape):
+    from goodness_of_fit import chi_square_p_value
+
+    target = random_llama(tiny_config(vocab_size=10, num_layers=1), seed=5, dtype=torch.float64)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)  # moderately peaked: drafts get accepted often
+    head = TargetAsDraft(target) if kind == "perfect" else random_head(kind, target, seed=2)
+    prompt, num_samples = [3, 1, 4], 15_000
+    seeded = SamplingParams(**{**vars(params), "seed": 1234})
+    with torch.no_grad():
+        law = _exact_three_token_law(target, prompt, params)
+        got, stats = speculative_generate(target, head, [prompt] * num_samples, seeded, shape=shape)
+    counts: dict[tuple[int, ...], int] = {}
+    for g in got:
+        counts[tuple(g.token_ids)] = counts.get(tuple(g.token_ids), 0) + 1
+    assert stats.mean_accepted_length > 1.2  # the tree is exercised, not just the bonus
+    assert chi_square_p_value(counts, law, num_samples) > 1e-4
