@@ -53,10 +53,9 @@ def speculative_round(
     head: DraftHead,
     state: SpecState,
     shape: TreeShape,
-    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Run one round in place. Returns num_accepted [B] int64 (draft tokens accepted; 0 for
-    slots that were already done)."""
+    slots that were already done). Samples from the default RNG of the state's device."""
     tree = draft_tree(head, state.draft, state.pending, state.root, shape)
     out = target(
         tree.tokens,
@@ -64,7 +63,7 @@ def speculative_round(
         state.target.attention_inputs(tree.anc),
     )
     probs = target_probs(target.logits(out.hidden), state.sampling)
-    acceptance = accept(tree, target_tokens(probs, generator), depth=shape.depth)
+    acceptance = accept(tree, target_tokens(probs), depth=shape.depth)
     was_done = state.done.clone()
     _commit_target(state, out.k_new, out.v_new, acceptance, was_done)
     emitted = _emitted_tokens(tree, acceptance)

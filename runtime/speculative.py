@@ -26,7 +26,7 @@ from .requests import (
     FINISH_STOP,
     Generation,
     check_requests,
-    seeded_generator,
+    seeded_rng,
     stop_mask,
 )
 from .round import FINISH_NONE, SpecState, emit, speculative_round
@@ -67,20 +67,20 @@ def speculative_generate(
     """Decode a batch of tokenized prompts with draft trees of the given shape."""
     prompts, params = check_requests(prompts, params, vocab_size=target.config.vocab_size)
     device = target.lm_head.weight.device
-    generator = seeded_generator(params, device)
     stats = SpecStats(accepted_histogram=[0] * (shape.depth + 1))
-    started = time.perf_counter()
-    state = prefill(target, head, prompts, params, eos_token_ids, shape=shape, generator=generator)
-    stats.prefill_seconds = time.perf_counter() - started
-    while not bool(state.done.all()):
-        active = ~state.done
-        num_accepted = speculative_round(target, head, state, shape, generator)
-        counts = torch.bincount(num_accepted[active], minlength=shape.depth + 1)
-        stats.accepted_histogram = [
-            a + b for a, b in zip(stats.accepted_histogram, counts.tolist(), strict=True)
-        ]
-        stats.num_rounds += 1
-    stats.round_seconds = time.perf_counter() - started - stats.prefill_seconds
+    with seeded_rng(params, device):
+        started = time.perf_counter()
+        state = prefill(target, head, prompts, params, eos_token_ids, shape=shape)
+        stats.prefill_seconds = time.perf_counter() - started
+        while not bool(state.done.all()):
+            active = ~state.done
+            num_accepted = speculative_round(target, head, state, shape)
+            counts = torch.bincount(num_accepted[active], minlength=shape.depth + 1)
+            stats.accepted_histogram = [
+                a + b for a, b in zip(stats.accepted_histogram, counts.tolist(), strict=True)
+            ]
+            stats.num_rounds += 1
+        stats.round_seconds = time.perf_counter() - started - stats.prefill_seconds
     return _results(state), stats
 
 
@@ -92,7 +92,6 @@ def prefill(
     eos_token_ids: Sequence[int],
     *,
     shape: TreeShape,
-    generator: torch.Generator | None,
 ) -> SpecState:
     """Build the state of a fresh batch: caches filled, root sampled, first pair pending."""
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
@@ -129,13 +128,13 @@ def prefill(
     for slot, prompt in enumerate(prompts):
         tokens[slot, : len(prompt)] = torch.tensor(prompt, device=device)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    features = _prefill_target(target, head, state, tokens, lengths, generator)
+    features = _prefill_target(target, head, state, tokens, lengths)
     _prefill_draft(head, state, tokens, features, lengths, shape)
     emit(state, state.root[:, None], torch.ones_like(lengths), max_new == 0)
     return state
 
 
-def _prefill_target(target, head, state, tokens, lengths, generator) -> torch.Tensor:
+def _prefill_target(target, head, state, tokens, lengths) -> torch.Tensor:
     """Target over the prompts: cache filled, root sampled. Returns features [B, T, H]."""
     batch, length = tokens.shape
     positions = torch.arange(length, device=tokens.device).expand(batch, length)
@@ -143,7 +142,7 @@ def _prefill_target(target, head, state, tokens, lengths, generator) -> torch.Te
     out = target(tokens, positions, state.target.attention_inputs(anc))
     state.target.append(out.k_new, out.v_new, lengths)
     last = out.hidden[torch.arange(batch, device=tokens.device), lengths - 1]
-    state.root = sample(target_probs(target.logits(last), state.sampling), generator)
+    state.root = sample(target_probs(target.logits(last), state.sampling))
     return head.target_features(out)
 
 

@@ -68,10 +68,11 @@ def random_head(kind: str, target: Llama, *, seed: int = 0, num_layers: int = 1)
 
 
 class TargetAsDraft(torch.nn.Module):
-    """A 'perfect' draft: the target itself, so every proposal is the target's own choice.
+    """A near-perfect draft: the target itself, so proposals are the target's own choices.
 
     Draft position j holds token j+1; RoPE attention depends only on relative positions, so
-    running the target there gives exactly its next-token logits. Features are ignored.
+    running the target there gives its next-token logits, except that the draft never sees the
+    first prompt token (EAGLE heads get it through the features, which this one ignores).
     """
 
     def __init__(self, target: Llama) -> None:

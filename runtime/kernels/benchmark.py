@@ -186,9 +186,9 @@ def _time_sdpa(input_sets: list[dict], *, expand_kv: bool) -> tuple[float | None
 
 
 def bench_tree_attention(shape: TreeAttentionShape, *, bandwidth: float) -> dict:
-    """Time rt::tree_attention, SDPA (reference formulation: GQA + dense mask, which PyTorch
-    runs on its math backend) and SDPA with K/V pre-expanded (memory-efficient backend), on
-    one shape. Returns a JSON-ready dict; times in microseconds, None where out of memory."""
+    """Time rt::tree_attention, SDPA in the reference's formulation (GQA + dense mask) and SDPA
+    with K/V pre-expanded to the query heads (so a mask-capable fused backend can run), on one
+    shape. Returns a JSON-ready dict; times in microseconds, None where out of memory."""
     free, _ = torch.cuda.mem_get_info()
     need = shape.floor_bytes() * _num_input_sets(shape)
     point = {k: str(v) if k == "dtype" else v for k, v in asdict(shape).items()}

@@ -6,7 +6,9 @@ building the [M, S + N] mask or repeating K/V for GQA:
 - prefix part: the slot's committed cache, positions [0, cache_len), no mask but the length,
   split over the sequence (flash-decoding split-K) so that small batches still fill the GPU;
 - tree part: the N tree keys, filtered per query by the int64 ancestor bitmask `anc`;
-- the parts are merged by log-sum-exp (inside the last split, then across splits).
+- the parts are merged by log-sum-exp: with one split a program runs one online softmax over
+  prefix then tree; with several, the tree keys get a split of their own and a combine kernel
+  merges the splits' partial outputs by their LSE.
 
 All Hq / Hkv query heads of a KV head are processed together: the "rows" of a tile are
 (group head, tree query) pairs, so every K/V tile is loaded once per KV head. The launch grid
@@ -24,11 +26,15 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .tree_attention_config import LaunchConfig, launch_config, num_multiprocessors
+from .tree_attention_config import (
+    LaunchConfig,
+    check_inputs,
+    launch_config,
+    num_multiprocessors,
+)
 
 _LOG2E = 1.4426950408889634
 _BITS_PER_WORD = 64
-_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -254,26 +260,6 @@ def launch_tree_attention(
     return out
 
 
-def _check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale) -> None:
-    """Shape and dtype checks (static metadata only: no device sync)."""
-    batch, num_q_heads, num_queries, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    if k_cache.shape != v_cache.shape or k_cache.shape[::3] != (batch, head_dim):
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} vs q")
-    if k_tree.shape != v_tree.shape or k_tree.shape[:2] != k_cache.shape[:2]:
-        raise ValueError(f"tree K/V shapes {tuple(k_tree.shape)}, {tuple(v_tree.shape)} vs cache")
-    if anc.shape[:2] != (batch, num_queries) or anc.shape[2] * _BITS_PER_WORD < k_tree.shape[2]:
-        raise ValueError(f"anc shape {tuple(anc.shape)} vs {num_queries} queries, tree K/V")
-    if cache_len.shape != (batch,) or cache_len.dtype != torch.int64 or anc.dtype != torch.int64:
-        raise ValueError("cache_len must be [B] int64 and anc int64")
-    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
-        raise ValueError(f"head dim {head_dim} must be a power of two in [16, 256]")
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, not {scale}")
-
-
 @triton_op("rt::tree_attention", mutates_args=())
 def _tree_attention_op(
     q: torch.Tensor,
@@ -290,9 +276,7 @@ def _tree_attention_op(
     # (CPU, meta) take the reference so the op traces and compiles everywhere.
     if q.device.type != "cuda":
         return tree_attention_ref(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
-    _check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale)
-    if q.dtype not in _CUDA_DTYPES:
-        raise ValueError(f"rt::tree_attention on CUDA takes fp16/bf16/fp32, not {q.dtype}")
+    check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
     batch, num_q_heads, num_queries, head_dim = q.shape
     config = launch_config(
         batch=batch,

@@ -1,4 +1,5 @@
-"""Launch configuration for `rt::tree_attention`: a fixed heuristic table keyed on static shapes.
+"""Launch configuration for `rt::tree_attention`: a fixed heuristic table keyed on static shapes,
+and the input checks of the CUDA path.
 
 No autotuning: the choice depends only on shapes known at trace time (batch, heads, tree size,
 cache size S, head dim) and the device's multiprocessor count, so it is deterministic at
@@ -20,6 +21,7 @@ _TARGET_PROGRAMS_PER_SM = 2
 _MIN_BLOCKS_PER_SPLIT = 4
 # Prefix splits + the tree split stay <= 64: the combine kernel loads them all at once.
 _MAX_SPLITS = 63
+_BITS_PER_WORD = 64
 
 
 @dataclass(frozen=True)
@@ -122,3 +124,36 @@ def launch_config(
         num_warps=num_warps,
         num_stages=3 if long_loop and head_dim <= 128 else 2,
     )
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    anc: torch.Tensor,
+    *,
+    scale: float,
+) -> None:
+    """Raise ValueError unless the CUDA kernels take these tree_attention arguments (static
+    metadata only: no device sync)."""
+    batch, num_q_heads, num_queries, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+    if k_cache.shape != v_cache.shape or k_cache.shape[::3] != (batch, head_dim):
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} vs q")
+    if k_tree.shape != v_tree.shape or k_tree.shape[:2] != k_cache.shape[:2]:
+        raise ValueError(f"tree K/V shapes {tuple(k_tree.shape)}, {tuple(v_tree.shape)} vs cache")
+    if anc.shape[:2] != (batch, num_queries) or anc.shape[2] * _BITS_PER_WORD < k_tree.shape[2]:
+        raise ValueError(f"anc shape {tuple(anc.shape)} vs {num_queries} queries, tree K/V")
+    if cache_len.shape != (batch,) or cache_len.dtype != torch.int64 or anc.dtype != torch.int64:
+        raise ValueError("cache_len must be [B] int64 and anc int64")
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(f"head dim {head_dim} must be a power of two in [16, 256]")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, not {scale}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"rt::tree_attention on CUDA takes fp16/bf16/fp32, not {q.dtype}")

@@ -25,7 +25,7 @@ from specrun.runtime.kernels.tree_attention import (
     tree_attention,
     tree_attention_ref,
 )
-from specrun.runtime.kernels.tree_attention_config import LaunchConfig
+from specrun.runtime.kernels.tree_attention_config import LaunchConfig, check_inputs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -137,6 +137,22 @@ def test_ref_fully_masked_row_is_zero():
     out = tree_attention_ref(**inputs)
     assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
     assert torch.isfinite(out).all()
+
+
+def test_check_inputs_names_the_problem():
+    inputs = make_inputs(Case(2, 4, 2, 3, 70, 11, 16), dtype=torch.bfloat16, cache_len=[5, 0])
+    check_inputs(**inputs)
+    bad = {
+        "heads": {"q": inputs["q"][:, :3]},
+        "cache": {"v_cache": inputs["v_cache"][..., :8]},
+        "anc": {"anc": inputs["anc"][..., :1]},
+        "int64": {"cache_len": inputs["cache_len"].int()},
+        "scale": {"scale": -1.0},
+        "fp16/bf16/fp32": {"q": inputs["q"].double()},
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=message):
+            check_inputs(**(inputs | change))
 
 
 def test_opcheck():

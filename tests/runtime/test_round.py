@@ -1,0 +1,46 @@
+"""A round is one host-sync-free graph: it traces with fullgraph=True and equals eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specrun.runtime.config import SamplingParams
+from specrun.runtime.requests import check_requests
+from specrun.runtime.round import speculative_round
+from specrun.runtime.speculative import prefill
+from specrun.runtime.tree import TreeShape
+from tiny_models import TargetAsDraft, random_head, random_llama, tiny_config
+
+
+def _fresh_state(target, head, shape, params):
+    prompts, params = check_requests(
+        [[1, 2, 3], [4, 5], [6, 7, 8, 9]], params, vocab_size=target.config.vocab_size
+    )
+    return prefill(target, head, prompts, params, [11], shape=shape)
+
+
+@pytest.mark.parametrize(
+    ("kind", "temperature"), [("eagle1", 0.8), ("eagle3", 0.0), ("dense", 0.8)]
+)
+def test_round_traces_without_graph_breaks_and_matches_eager(kind, temperature):
+    torch._dynamo.reset()
+    target = random_llama(tiny_config(), dtype=torch.float64)
+    head = TargetAsDraft(target) if kind == "perfect" else random_head(kind, target)
+    shape = TreeShape(3, 2, 6)
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=20, top_p=0.9)
+    with torch.no_grad():
+        eager_state = _fresh_state(target, head, shape, params)
+        compiled_state = copy.deepcopy(eager_state)
+        compiled = torch.compile(speculative_round, fullgraph=True, backend="eager")
+        for _ in range(2):
+            torch.manual_seed(7)
+            want = speculative_round(target, head, eager_state, shape)
+            torch.manual_seed(7)
+            got = compiled(target, head, compiled_state, shape)
+            assert torch.equal(got, want)
+    assert torch.equal(compiled_state.output, eager_state.output)
+    assert torch.equal(compiled_state.target.lengths, eager_state.target.lengths)
+    assert torch.equal(compiled_state.draft.k, eager_state.draft.k)
