@@ -33,6 +33,7 @@ class SpecState:
     output: [B, C] int64 generated tokens; num_output: [B] int64.
     max_new: [B] int64; stop_mask: [B, V] bool; done: [B] bool; finish: [B] int64 (FINISH_*).
     sampling: per-slot sampling parameters.
+    num_rounds, num_accepted: [B] int64 rounds a slot took part in, draft tokens it accepted.
     """
 
     target: KVCache
@@ -46,6 +47,8 @@ class SpecState:
     done: torch.Tensor
     finish: torch.Tensor
     sampling: SamplingTensors
+    num_rounds: torch.Tensor
+    num_accepted: torch.Tensor
 
 
 def speculative_round(
@@ -75,7 +78,10 @@ def speculative_round(
         num_valid=torch.where(was_done, 0, acceptance.num_accepted + 1),
     )
     state.root = acceptance.bonus
-    return torch.where(was_done, 0, acceptance.num_accepted)
+    num_accepted = torch.where(was_done, 0, acceptance.num_accepted)
+    state.num_rounds += (~was_done).long()
+    state.num_accepted += num_accepted
+    return num_accepted
 
 
 def _commit_target(

@@ -10,7 +10,7 @@ around the same `speculative_round`.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,15 +36,29 @@ from .tree import TreeShape
 _FINISH_NAMES = {FINISH_NONE: FINISH_LENGTH, 1: FINISH_STOP, 2: FINISH_LENGTH}
 
 
+@dataclass(frozen=True)
+class RequestStats:
+    """One request: rounds it took part in and draft tokens the target accepted."""
+
+    num_rounds: int
+    num_accepted: int
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per round (accepted draft tokens + the bonus)."""
+        return (self.num_accepted + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
+
+
 @dataclass
 class SpecStats:
     """Statistics of one run: rounds, accepted draft tokens per slot-round (histogram over
-    0..D), wall time of the prefill and of the rounds."""
+    0..D), wall time of the prefill and of the rounds, and per-request totals."""
 
     num_rounds: int = 0
     accepted_histogram: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     round_seconds: float = 0.0
+    per_request: list[RequestStats] = field(default_factory=list)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -64,24 +78,80 @@ def speculative_generate(
     shape: TreeShape,
     eos_token_ids: Sequence[int] = (),
 ) -> tuple[list[Generation], SpecStats]:
-    """Decode a batch of tokenized prompts with draft trees of the given shape."""
+    """Decode a batch of tokenized prompts to completion with draft trees of `shape`."""
+    stats = SpecStats()
+    results: list[Generation] = []
+    steps = speculative_stream(
+        target, head, prompts, params, shape=shape, eos_token_ids=eos_token_ids, stats=stats
+    )
+    for step in steps:
+        results = results or [Generation([], FINISH_LENGTH) for _ in step]
+        for result, (tokens, finish) in zip(results, step, strict=True):
+            result.token_ids.extend(tokens)
+            result.finish_reason = finish or result.finish_reason
+    return results, stats
+
+
+def speculative_stream(
+    target: Llama,
+    head: DraftHead,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    *,
+    shape: TreeShape,
+    eos_token_ids: Sequence[int] = (),
+    stats: SpecStats | None = None,
+) -> Iterator[list[tuple[list[int], str | None]]]:
+    """Yield, after the prefill and after every round, (new tokens, finish reason or None) per
+    slot. `stats`, when given, is filled in as the run goes."""
     prompts, params = check_requests(prompts, params, vocab_size=target.config.vocab_size)
+    stats = stats if stats is not None else SpecStats()
+    stats.accepted_histogram = [0] * (shape.depth + 1)
     device = target.lm_head.weight.device
-    stats = SpecStats(accepted_histogram=[0] * (shape.depth + 1))
     with seeded_rng(params, device):
         started = time.perf_counter()
         state = prefill(target, head, prompts, params, eos_token_ids, shape=shape)
         stats.prefill_seconds = time.perf_counter() - started
-        while not bool(state.done.all()):
+        num_seen = torch.zeros_like(state.num_output)
+        reported = torch.zeros_like(state.done)
+        while True:
+            yield _new_tokens(state, num_seen, state.done & ~reported)
+            num_seen, reported = state.num_output.clone(), state.done.clone()
+            if bool(state.done.all()):
+                break
+            started = time.perf_counter()
             active = ~state.done
             num_accepted = speculative_round(target, head, state, shape)
-            counts = torch.bincount(num_accepted[active], minlength=shape.depth + 1)
+            counts = torch.bincount(num_accepted[active], minlength=shape.depth + 1).tolist()
             stats.accepted_histogram = [
-                a + b for a, b in zip(stats.accepted_histogram, counts.tolist(), strict=True)
+                a + b for a, b in zip(stats.accepted_histogram, counts, strict=True)
             ]
             stats.num_rounds += 1
-        stats.round_seconds = time.perf_counter() - started - stats.prefill_seconds
-    return _results(state), stats
+            stats.round_seconds += time.perf_counter() - started
+    stats.per_request = [
+        RequestStats(rounds, accepted)
+        for rounds, accepted in zip(
+            state.num_rounds.tolist(), state.num_accepted.tolist(), strict=True
+        )
+    ]
+
+
+def _new_tokens(
+    state: SpecState, num_seen: torch.Tensor, just_done: torch.Tensor
+) -> list[tuple[list[int], str | None]]:
+    """Tokens each slot produced since `num_seen`, and its finish reason if it just ended."""
+    rows = zip(
+        state.output.tolist(),
+        num_seen.tolist(),
+        state.num_output.tolist(),
+        state.finish.tolist(),
+        just_done.tolist(),
+        strict=True,
+    )
+    return [
+        (out[start:end], _FINISH_NAMES[finish] if ended else None)
+        for out, start, end, finish, ended in rows
+    ]
 
 
 def prefill(
@@ -123,6 +193,8 @@ def prefill(
         done=max_new == 0,
         finish=torch.full((batch,), FINISH_NONE, device=device),
         sampling=SamplingTensors.from_params(params, device),
+        num_rounds=torch.zeros(batch, dtype=torch.int64, device=device),
+        num_accepted=torch.zeros(batch, dtype=torch.int64, device=device),
     )
     tokens = torch.zeros(batch, length, dtype=torch.int64, device=device)
     for slot, prompt in enumerate(prompts):
@@ -161,13 +233,3 @@ def _prefill_draft(head, state, tokens, features, lengths, shape) -> None:
     pending_features = features.new_zeros(batch, shape.depth + 1, features.shape[-1])
     pending_features[:, 0] = features[rows, lengths - 1]
     state.pending = PendingPairs(pending_tokens, pending_features, torch.ones_like(lengths))
-
-
-def _results(state: SpecState) -> list[Generation]:
-    outputs = state.output.tolist()
-    return [
-        Generation(outputs[b][:n], _FINISH_NAMES[f])
-        for b, (n, f) in enumerate(
-            zip(state.num_output.tolist(), state.finish.tolist(), strict=True)
-        )
-    ]
