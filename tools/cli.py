@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-COMMAND_MODULES = ("generate", "convert", "bench")
+COMMAND_MODULES = ("generate", "check", "init-draft", "convert", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
-        importlib.import_module(f"specrun.tools.{name}").register(subparsers)
+        importlib.import_module(f"specrun.tools.{name.replace('-', '_')}").register(subparsers)
     return parser
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..runtime.config import EngineConfig, SamplingParams
+from ..runtime.config import DEFAULT_TREE, EngineConfig, SamplingParams
 from ..runtime.engine import Engine
+from ..runtime.tree import TreeShape
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -15,6 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("prompt", help="the user message (or raw text with --raw)")
     parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
+    parser.add_argument("--draft", default=None, help="EAGLE draft-head directory: speculate")
+    add_tree_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -34,17 +37,33 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
     )
-    config = EngineConfig(device=args.device, dtype=args.dtype, chat_template=not args.raw)
-    engine = Engine.from_pretrained(args.model, config=config)
+    config = EngineConfig(
+        device=args.device, dtype=args.dtype, chat_template=not args.raw, tree=tree_shape(args)
+    )
+    engine = Engine.from_pretrained(args.model, draft=args.draft, config=config)
     for delta in engine.stream(args.prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
     stats = engine.stats()
+    accepted = f", {stats.mean_accepted_length:.2f} tokens/round" if args.draft else ""
     print(
         f"[{stats.num_generated_tokens} tokens in {stats.decode_seconds:.2f} s: "
-        f"{stats.tokens_per_second:.1f} tok/s]",
+        f"{stats.tokens_per_second:.1f} tok/s{accepted}]",
         file=sys.stderr,
     )
     engine.close()
     return 0
+
+
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    """--depth/--topk/--nodes: the draft-tree shape (D, K, N)."""
+    parser.add_argument("--depth", type=int, default=DEFAULT_TREE.depth, help="tree depth D")
+    parser.add_argument("--topk", type=int, default=DEFAULT_TREE.topk, help="frontier width K")
+    parser.add_argument(
+        "--nodes", type=int, default=DEFAULT_TREE.num_nodes, help="tree nodes N (root included)"
+    )
+
+
+def tree_shape(args: argparse.Namespace) -> TreeShape:
+    return TreeShape(depth=args.depth, topk=args.topk, num_nodes=args.nodes)

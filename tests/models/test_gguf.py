@@ -26,12 +26,6 @@ from specrun.tools.cli import main as cli_main
 PROMPT = "<|im_start|>user\nWhat is the capital of France? Answer in 12 words.<|im_end|>\n"
 
 
-@pytest.fixture(scope="session")
-def smollm_dir(tmp_path_factory):
-    """The embedded SmolLM2 converted once per session (test_tokenizer.py shares the cache)."""
-    return default_model_dir(root=tmp_path_factory.getbasetemp() / "specrun-cache")
-
-
 @pytest.fixture(scope="module")
 def hf_from_gguf():
     transformers = pytest.importorskip("transformers")

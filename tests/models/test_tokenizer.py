@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specrun.models.default import default_model_dir, embedded_gguf_path
+from specrun.models.default import embedded_gguf_path
 from specrun.models.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 TEXTS = [
@@ -36,12 +36,6 @@ CONVERSATIONS = [
         {"role": "user", "content": "Another, with émoji 🦜"},
     ],
 ]
-
-
-@pytest.fixture(scope="session")
-def smollm_dir(tmp_path_factory):
-    """The embedded SmolLM2 converted once per session (test_gguf.py shares the cache)."""
-    return default_model_dir(root=tmp_path_factory.getbasetemp() / "specrun-cache")
 
 
 @pytest.fixture(scope="module")

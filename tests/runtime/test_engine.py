@@ -1,0 +1,73 @@
+"""The Engine on the embedded SmolLM2: text in/out, streaming, speculation, stats, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specrun.models.config import DraftConfig
+from specrun.models.eagle import build_draft
+from specrun.models.loading import save_draft
+from specrun.runtime import Engine, EngineConfig, SamplingParams
+from specrun.runtime.tree import TreeShape
+
+CONFIG = EngineConfig(device="cpu", dtype="float32", tree=TreeShape(3, 3, 8))
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_dir) -> Engine:
+    return Engine.from_pretrained(smollm_dir, config=CONFIG)
+
+
+@pytest.fixture(scope="module")
+def spec_engine(smollm_dir, engine, tmp_path_factory) -> Engine:
+    torch.manual_seed(0)
+    config = DraftConfig(kind="eagle1", layer=engine.model.config)
+    head_dir = save_draft(build_draft(config, engine.model), tmp_path_factory.mktemp("head"))
+    return Engine.from_pretrained(smollm_dir, draft=head_dir, config=CONFIG)
+
+
+def test_generate_stream_and_speculation_agree(engine, spec_engine):
+    params = SamplingParams(max_new_tokens=12)
+    prompts = ["What is the capital of France?", [1, 2, 3, 4]]
+    plain = engine.generate(prompts, params)
+    spec = spec_engine.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert plain[0].text == engine.tokenizer.decode(plain[0].token_ids, skip_special_tokens=True)
+    assert "Paris" in plain[0].text
+    assert "".join(spec_engine.stream(prompts[0], params)) == spec[0].text
+    assert spec[0].stats is not None and spec[0].stats.num_rounds >= 1
+    stats = spec_engine.stats()
+    assert stats.num_requests == 3 and stats.num_rounds > 0
+    assert 1.0 <= stats.mean_accepted_length <= 4.0
+
+
+def test_stop_at_eos_and_finish_reasons(engine):
+    (out,) = engine.generate("Say hi.", SamplingParams(max_new_tokens=200))
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in engine.tokenizer.eos_token_ids
+    (cut,) = engine.generate("Say hi.", SamplingParams(max_new_tokens=2))
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error", "match"),
+    [
+        ("   ", ValueError, "empty"),
+        ([], ValueError, "empty"),
+        ([1, 10**9], ValueError, "outside"),
+        ([0] * 9000, ValueError, "context"),
+    ],
+)
+def test_bad_prompts_are_refused(engine, prompt, error, match):
+    with pytest.raises(error, match=match):
+        engine.generate([prompt], SamplingParams(max_new_tokens=1))
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int8")
+    with pytest.raises(TypeError, match="TreeShape"):
+        EngineConfig(tree=(7, 10, 60))
+    with pytest.raises(ValueError, match="num_nodes"):
+        TreeShape(depth=1, topk=2, num_nodes=9)
