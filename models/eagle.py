@@ -124,16 +124,12 @@ class DraftHead(nn.Module):
         return draft_ids
 
 
-class Eagle1Head(DraftHead):
-    """EAGLE-1/2 head (yuhuili `cnets1.py` layout: `fc`, `layers.{i}`, no input norm on 0)."""
+class FusedInputHead(DraftHead):
+    """Heads whose input is fc([embed(token), feature]) followed by decoder layers."""
 
-    def __init__(self, config: DraftConfig, shared: SharedModules) -> None:
-        super().__init__(config, shared)
-        hidden = config.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config.layer, input_norm=i > 0) for i in range(config.num_layers)
-        )
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., H] the last layer's output. Returns [..., vocab]."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -146,10 +142,27 @@ class Eagle1Head(DraftHead):
         x = self.fc(torch.cat([self.embed(tokens), features], dim=-1))
         rope = self.rotary(positions, x.dtype)
         x, k_new, v_new = run_layers(self.layers, x, rope, attn)
-        return DraftOutput(x, self.shared.lm_head(x), k_new, v_new)
+        return DraftOutput(x, self.logits(x), k_new, v_new)
 
 
-class DenseHead(DraftHead):
+class Eagle1Head(FusedInputHead):
+    """EAGLE-1/2 head (yuhuili `cnets1.py` layout: `fc`, `layers.{i}`, no input norm on 0)."""
+
+    def __init__(self, config: DraftConfig, shared: SharedModules) -> None:
+        super().__init__(config, shared)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config.layer, input_norm=i > 0) for i in range(config.num_layers)
+        )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., H]. The target's lm_head, no final norm (EAGLE-1 regresses the
+        target's post-norm feature)."""
+        return self.shared.lm_head(hidden)
+
+
+class DenseHead(FusedInputHead):
     """N-layer dense drafter: `fc`, `layers.{i}` (full decoder layers), `norm`, `lm_head`."""
 
     def __init__(self, config: DraftConfig, shared: SharedModules) -> None:
@@ -165,19 +178,6 @@ class DenseHead(DraftHead):
         """hidden: [..., H] pre-norm. Returns [..., vocab]."""
         lm_head = self.shared.lm_head if self.config.shared_lm_head else self.lm_head
         return lm_head(self.norm(hidden))
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionInputs,
-    ) -> DraftOutput:
-        """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache."""
-        x = self.fc(torch.cat([self.embed(tokens), features], dim=-1))
-        rope = self.rotary(positions, x.dtype)
-        x, k_new, v_new = run_layers(self.layers, x, rope, attn)
-        return DraftOutput(x, self.logits(x), k_new, v_new)
 
 
 class Eagle3MidLayer(nn.Module):

@@ -69,7 +69,7 @@ HEADER = "  N      L   B  floor_us kernel_us  floor   sdpa_gqa  sdpa_expd  speed
 def run_kernels(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("bench kernels needs a CUDA GPU")
-    from ..runtime.kernels.benchmark import (
+    from .kernel_bench import (
         bench_tree_attention,
         copy_bandwidth,
         tree_attention_shapes,

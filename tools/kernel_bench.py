@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .tree_attention import tree_attention
-from .tree_attention_config import launch_config, num_multiprocessors
+from ..runtime.kernels.tree_attention import tree_attention
+from ..runtime.kernels.tree_attention_config import launch_config, num_multiprocessors
 
 logger = logging.getLogger(__name__)
 
