@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import TreeShape
+from .tree import StaticTree, TreeShape
 
 # The batch-1 tree of the published EAGLE-3 Llama-3.1-8B results.
 DEFAULT_TREE = TreeShape(depth=7, topk=10, num_nodes=60)
@@ -110,17 +110,20 @@ class EngineConfig:
     device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
     dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
     chat_template: wrap string prompts in the model's chat template as a user message.
-    tree: the draft-tree shape (depth D, top-k K, nodes N) used with a draft head.
+    tree: the draft tree used with a draft head: a dynamic TreeShape (depth D, top-k K,
+        nodes N) or a StaticTree (fixed paths of child ranks).
     """
 
     device: str = "auto"
     dtype: str = "auto"
     chat_template: bool = True
-    tree: TreeShape = dataclasses.field(default_factory=lambda: DEFAULT_TREE)
+    tree: TreeShape | StaticTree = dataclasses.field(default_factory=lambda: DEFAULT_TREE)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tree, TreeShape):
-            raise TypeError(f"tree must be a TreeShape, got {type(self.tree).__name__}")
+        if not isinstance(self.tree, (TreeShape, StaticTree)):
+            raise TypeError(
+                f"tree must be a TreeShape or StaticTree, got {type(self.tree).__name__}"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"

@@ -17,11 +17,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.attention import chain_ancestors, pack_ancestor_mask
+from ..models.attention import chain_ancestors, expand_ancestor_mask, pack_ancestor_mask
 from ..models.eagle import DraftHead
 from ..models.llama import AttentionInputs
 from .kv_cache import KVCache
-from .tree import Candidates, Tree, TreeShape, expand_level, first_level, rerank
+from .tree import (
+    Candidates,
+    StaticTree,
+    Tree,
+    TreeShape,
+    ancestor_bitmask,
+    expand_level,
+    first_level,
+    rerank,
+)
 
 
 @dataclass
@@ -154,3 +163,64 @@ def _expand(
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x: [B, K, F], index: [B, J] -> [B, J, F] (row gather per slot)."""
     return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def draft_static_tree(
+    head: DraftHead,
+    cache: KVCache,
+    pending: PendingPairs,
+    root: torch.Tensor,
+    static: StaticTree,
+) -> Tree:
+    """Draft a fixed tree: each node takes its parent's rank-r draft token.
+
+    Levels are drafted in turn; every node of a level below D is run through the head (its K/V
+    joins the side buffer) so that its children can be read off its draft distribution.
+    """
+    root_feature, root_logp = draft_extend(head, cache, pending)
+    batch, device = root.shape[0], root.device
+    parents, depths = static.parent_nodes(), [0] + [len(p) for p in static.paths]
+    ranks = [0] + [p[-1] for p in static.paths]
+    visible = expand_ancestor_mask(_static_ancestors(static, device), static.num_nodes)
+    top = head.to_target_ids(root_logp.topk(static.max_rank, dim=-1).indices)
+    tokens = [root] + [top[:, ranks[n]] for n in range(1, static.num_nodes) if depths[n] == 1]
+    features = {n: root_feature for n in range(1, static.num_nodes) if depths[n] == 1}
+    side: tuple[torch.Tensor, torch.Tensor] | None = None
+    for level in range(1, static.depth):
+        nodes = [n for n in range(1, static.num_nodes) if depths[n] == level]
+        # Side-buffer slot s holds node s + 1: levels are drafted in node order.
+        anc = pack_ancestor_mask(visible[nodes][:, 1 : nodes[-1] + 1]).expand(batch, -1, -1)
+        attn = AttentionInputs(
+            cache.k, cache.v, cache.lengths, anc, *(side if side is not None else (None, None))
+        )
+        positions = (cache.lengths - 1 + level)[:, None].expand(-1, len(nodes))
+        node_tokens = torch.stack([tokens[n] for n in nodes], dim=1)
+        node_features = torch.stack([features[n] for n in nodes], dim=1)
+        out = head(node_tokens, node_features, positions, attn)
+        side = (
+            (out.k_new, out.v_new)
+            if side is None
+            else (
+                torch.cat([side[0], out.k_new], dim=3),
+                torch.cat([side[1], out.v_new], dim=3),
+            )
+        )
+        top = head.to_target_ids(out.logits.topk(static.max_rank, dim=-1).indices)
+        for child in range(1, static.num_nodes):
+            if depths[child] == level + 1:
+                j = nodes.index(parents[child])
+                tokens.append(top[:, j, ranks[child]])
+                features[child] = out.hidden[:, j]
+    parent = torch.tensor(parents, device=device).expand(batch, -1)
+    return Tree(
+        tokens=torch.stack(tokens, dim=1),
+        parent=parent,
+        depth=torch.tensor(depths, device=device).expand(batch, -1),
+        anc=_static_ancestors(static, device).expand(batch, -1, -1),
+    )
+
+
+def _static_ancestors(static: StaticTree, device: torch.device) -> torch.Tensor:
+    """[N, W] int64 ancestor bitmask of a static tree (root = node 0)."""
+    parent = torch.tensor(static.parent_nodes(), device=device)[None]
+    return ancestor_bitmask(parent, max_depth=static.depth)[0]

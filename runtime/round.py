@@ -14,10 +14,10 @@ import torch
 
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
-from .draft import PendingPairs, draft_tree
+from .draft import PendingPairs, draft_static_tree, draft_tree
 from .kv_cache import KVCache
 from .sampling import SamplingTensors, target_probs
-from .tree import Tree, TreeShape
+from .tree import StaticTree, Tree, TreeShape
 from .verify import Acceptance, accept, target_tokens
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -55,11 +55,14 @@ def speculative_round(
     target: Llama,
     head: DraftHead,
     state: SpecState,
-    shape: TreeShape,
+    shape: TreeShape | StaticTree,
 ) -> torch.Tensor:
     """Run one round in place. Returns num_accepted [B] int64 (draft tokens accepted; 0 for
     slots that were already done). Samples from the default RNG of the state's device."""
-    tree = draft_tree(head, state.draft, state.pending, state.root, shape)
+    if isinstance(shape, StaticTree):
+        tree = draft_static_tree(head, state.draft, state.pending, state.root, shape)
+    else:
+        tree = draft_tree(head, state.draft, state.pending, state.root, shape)
     out = target(
         tree.tokens,
         state.target.lengths[:, None] + tree.depth,

@@ -31,7 +31,7 @@ from .requests import (
 )
 from .round import FINISH_NONE, SpecState, emit, speculative_round
 from .sampling import SamplingTensors, sample, target_probs
-from .tree import TreeShape
+from .tree import StaticTree, TreeShape
 
 _FINISH_NAMES = {FINISH_NONE: FINISH_LENGTH, 1: FINISH_STOP, 2: FINISH_LENGTH}
 
@@ -75,7 +75,7 @@ def speculative_generate(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
     *,
-    shape: TreeShape,
+    shape: TreeShape | StaticTree,
     eos_token_ids: Sequence[int] = (),
 ) -> tuple[list[Generation], SpecStats]:
     """Decode a batch of tokenized prompts to completion with draft trees of `shape`."""
@@ -98,7 +98,7 @@ def speculative_stream(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
     *,
-    shape: TreeShape,
+    shape: TreeShape | StaticTree,
     eos_token_ids: Sequence[int] = (),
     stats: SpecStats | None = None,
 ) -> Iterator[list[tuple[list[int], str | None]]]:
@@ -161,7 +161,7 @@ def prefill(
     params: list[SamplingParams],
     eos_token_ids: Sequence[int],
     *,
-    shape: TreeShape,
+    shape: TreeShape | StaticTree,
 ) -> SpecState:
     """Build the state of a fresh batch: caches filled, root sampled, first pair pending."""
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype

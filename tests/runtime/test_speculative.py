@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from specrun.runtime.config import SamplingParams
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.speculative import speculative_generate
-from specrun.runtime.tree import TreeShape
+from specrun.runtime.tree import StaticTree, TreeShape
 from tiny_models import TargetAsDraft, random_head, random_llama, tiny_config
 
 
@@ -36,16 +36,29 @@ def tree_shapes(draw):
     return TreeShape(depth, topk, draw(st.integers(1, min(64, num_candidates + 1))))
 
 
+@st.composite
+def static_trees(draw):
+    """Random fixed trees: paths of child ranks (< 4), closed under prefixes."""
+    frontier = [(rank,) for rank in range(draw(st.integers(1, 4)))]
+    paths = list(frontier)
+    for _ in range(draw(st.integers(0, 4))):
+        frontier = [(*p, r) for p in frontier for r in range(draw(st.integers(0, 3)))]
+        if not frontier or len(paths) + len(frontier) > 48:
+            break
+        paths += frontier
+    return StaticTree.from_paths(paths)
+
+
 def _prompts(draw, vocab: int) -> list[list[int]]:
     lengths = draw(st.lists(st.integers(1, 10), min_size=1, max_size=8))
     return [draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)) for n in lengths]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
     config=llama_configs(),
-    shape=tree_shapes(),
+    shape=st.one_of(tree_shapes(), static_trees()),
     kind=st.sampled_from(["eagle1", "eagle3", "dense", "perfect"]),
     dtype=st.sampled_from([torch.float32, torch.float64]),
 )
@@ -62,7 +75,15 @@ def test_greedy_speculative_equals_reference(data, config, shape, kind, dtype):
     assert got == want
 
 
-@pytest.mark.parametrize("shape", [TreeShape(4, 3, 10), TreeShape(8, 1, 9), TreeShape(6, 4, 40)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        TreeShape(4, 3, 10),
+        TreeShape(8, 1, 9),
+        TreeShape(6, 4, 40),
+        StaticTree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0], [1, 0]]),
+    ],
+)
 def test_perfect_draft_accepts_whole_paths(shape):
     target = random_llama(tiny_config(vocab_size=61, num_layers=2), dtype=torch.float64)
     with torch.no_grad():
