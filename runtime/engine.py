@@ -56,7 +56,8 @@ class EngineStats:
     num_rounds: int = 0
     accepted_histogram: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
-    round_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -219,7 +220,8 @@ class Engine:
         totals.decode_seconds += seconds
         totals.num_rounds += spec_stats.num_rounds
         totals.prefill_seconds += spec_stats.prefill_seconds
-        totals.round_seconds += spec_stats.round_seconds
+        totals.draft_seconds += spec_stats.draft_seconds
+        totals.verify_seconds += spec_stats.verify_seconds
         histogram = spec_stats.accepted_histogram
         if histogram:
             totals.accepted_histogram = [

@@ -59,17 +59,28 @@ def speculative_round(
 ) -> torch.Tensor:
     """Run one round in place. Returns num_accepted [B] int64 (draft tokens accepted; 0 for
     slots that were already done). Samples from the default RNG of the state's device."""
+    tree = draft_phase(head, state, shape)
+    return verify_phase(target, head, state, tree, depth=shape.depth)
+
+
+def draft_phase(head: DraftHead, state: SpecState, shape: TreeShape | StaticTree) -> Tree:
+    """Draft extend + expand + rerank: the round's tree (the draft cache is updated)."""
     if isinstance(shape, StaticTree):
-        tree = draft_static_tree(head, state.draft, state.pending, state.root, shape)
-    else:
-        tree = draft_tree(head, state.draft, state.pending, state.root, shape)
+        return draft_static_tree(head, state.draft, state.pending, state.root, shape)
+    return draft_tree(head, state.draft, state.pending, state.root, shape)
+
+
+def verify_phase(
+    target: Llama, head: DraftHead, state: SpecState, tree: Tree, *, depth: int
+) -> torch.Tensor:
+    """Target forward over the tree, acceptance and commit. Returns num_accepted [B]."""
     out = target(
         tree.tokens,
         state.target.lengths[:, None] + tree.depth,
         state.target.attention_inputs(tree.anc),
     )
     probs = target_probs(target.logits(out.hidden), state.sampling)
-    acceptance = accept(tree, target_tokens(probs), depth=shape.depth)
+    acceptance = accept(tree, target_tokens(probs), depth=depth)
     was_done = state.done.clone()
     _commit_target(state, out.k_new, out.v_new, acceptance, was_done)
     emitted = _emitted_tokens(tree, acceptance)

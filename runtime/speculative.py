@@ -29,7 +29,7 @@ from .requests import (
     seeded_rng,
     stop_mask,
 )
-from .round import FINISH_NONE, SpecState, emit, speculative_round
+from .round import FINISH_NONE, SpecState, draft_phase, emit, verify_phase
 from .sampling import SamplingTensors, sample, target_probs
 from .tree import StaticTree, TreeShape
 
@@ -57,8 +57,13 @@ class SpecStats:
     num_rounds: int = 0
     accepted_histogram: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
-    round_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
     per_request: list[RequestStats] = field(default_factory=list)
+
+    @property
+    def round_seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
 
     @property
     def mean_accepted_length(self) -> float:
@@ -119,15 +124,20 @@ def speculative_stream(
             num_seen, reported = state.num_output.clone(), state.done.clone()
             if bool(state.done.all()):
                 break
-            started = time.perf_counter()
             active = ~state.done
-            num_accepted = speculative_round(target, head, state, shape)
+            timer = PhaseTimer(device)
+            tree = draft_phase(head, state, shape)
+            timer.mark()
+            num_accepted = verify_phase(target, head, state, tree, depth=shape.depth)
+            timer.mark()
             counts = torch.bincount(num_accepted[active], minlength=shape.depth + 1).tolist()
             stats.accepted_histogram = [
                 a + b for a, b in zip(stats.accepted_histogram, counts, strict=True)
             ]
             stats.num_rounds += 1
-            stats.round_seconds += time.perf_counter() - started
+            draft_seconds, verify_seconds = timer.seconds()
+            stats.draft_seconds += draft_seconds
+            stats.verify_seconds += verify_seconds
     stats.per_request = [
         RequestStats(rounds, accepted)
         for rounds, accepted in zip(
@@ -233,3 +243,29 @@ def _prefill_draft(head, state, tokens, features, lengths, shape) -> None:
     pending_features = features.new_zeros(batch, shape.depth + 1, features.shape[-1])
     pending_features[:, 0] = features[rows, lengths - 1]
     state.pending = PendingPairs(pending_tokens, pending_features, torch.ones_like(lengths))
+
+
+class PhaseTimer:
+    """Times consecutive phases of a round without a host sync between them: CUDA events on
+    the GPU (read once the round's results are read anyway), wall time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks = [self._now()]
+
+    def _now(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        self._marks.append(self._now())
+
+    def seconds(self) -> list[float]:
+        """Duration of each phase between consecutive marks."""
+        pairs = zip(self._marks, self._marks[1:], strict=False)
+        if self._cuda:
+            return [start.elapsed_time(end) / 1e3 for start, end in pairs]
+        return [end - start for start, end in pairs]

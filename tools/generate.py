@@ -46,7 +46,14 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     stats = engine.stats()
-    accepted = f", {stats.mean_accepted_length:.2f} tokens/round" if args.draft else ""
+    accepted = ""
+    if args.draft:
+        round_seconds = max(stats.draft_seconds + stats.verify_seconds, 1e-9)
+        accepted = (
+            f", {stats.mean_accepted_length:.2f} tokens/round over {stats.num_rounds} rounds, "
+            f"draft {stats.draft_seconds / round_seconds:.0%} / verify "
+            f"{stats.verify_seconds / round_seconds:.0%} of round time"
+        )
     print(
         f"[{stats.num_generated_tokens} tokens in {stats.decode_seconds:.2f} s: "
         f"{stats.tokens_per_second:.1f} tok/s{accepted}]",
