@@ -96,3 +96,24 @@ class TargetAsDraft(torch.nn.Module):
 
         out = self.target(tokens, positions, attn)
         return DraftOutput(out.hidden, self.target.logits(out.hidden), out.k_new, out.v_new)
+
+
+def prompt_logits(model: Llama, ids: list[int]) -> torch.Tensor:
+    """Logits [T, vocab] of one prompt run from an empty cache, on the model's device/dtype."""
+    from specrun.models.attention import chain_ancestors
+    from specrun.models.llama import AttentionInputs
+
+    config, weight = model.config, model.lm_head.weight
+    tokens = torch.tensor([ids], device=weight.device)
+    length = tokens.shape[1]
+    shape = (config.num_layers, 1, config.num_kv_heads, 1, config.head_dim)
+    empty = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+    attn = AttentionInputs(
+        empty,
+        empty,
+        torch.zeros(1, dtype=torch.int64, device=weight.device),
+        chain_ancestors(1, length, weight.device),
+    )
+    positions = torch.arange(length, device=weight.device)[None]
+    with torch.no_grad():
+        return model.logits(model(tokens, positions, attn).hidden)[0]

@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specrun.models.attention import chain_ancestors
 from specrun.models.config import LlamaConfig, RopeScaling
 from specrun.models.default import converted_model_dir, default_model_dir, embedded_gguf_path
 from specrun.models.gguf import convert_gguf, unpermute_rotary
-from specrun.models.llama import AttentionInputs, Llama, rope_inv_freq
+from specrun.models.llama import Llama, rope_inv_freq
 from specrun.models.loading import load_target
 from specrun.models.tokenizer import Tokenizer
 from specrun.tools.cli import main as cli_main
+from tiny_models import prompt_logits
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France? Answer in 12 words.<|im_end|>\n"
 
@@ -37,23 +37,9 @@ def hf_from_gguf():
     return model.eval()
 
 
-def run_llama(model: Llama, ids: list[int]) -> torch.Tensor:
-    """Logits [T, vocab] of one prompt through an empty cache."""
-    config = model.config
-    tokens = torch.tensor([ids])
-    B, T = tokens.shape
-    cache = torch.zeros(config.num_layers, B, config.num_kv_heads, T, config.head_dim)
-    attn = AttentionInputs(
-        cache, cache.clone(), torch.zeros(B, dtype=torch.long), chain_ancestors(B, T, "cpu")
-    )
-    with torch.no_grad():
-        out = model(tokens, torch.arange(T)[None], attn)
-        return model.logits(out.hidden)[0]
-
-
 def test_logits_match_transformers_gguf_loader(smollm_dir, hf_from_gguf):
     ids = Tokenizer.from_dir(smollm_dir).encode(PROMPT)
-    ours = run_llama(load_target(smollm_dir, dtype=torch.float32, device="cpu"), ids)
+    ours = prompt_logits(load_target(smollm_dir, dtype=torch.float32, device="cpu"), ids)
     with torch.no_grad():
         theirs = hf_from_gguf(torch.tensor([ids])).logits[0]
     max_diff = (ours - theirs).abs().max().item()

@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrun.models.attention import chain_ancestors
-from specrun.models.llama import AttentionInputs
 from specrun.runtime.config import SamplingParams
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.speculative import speculative_generate
 from specrun.runtime.tree import TreeShape
-from tiny_models import TargetAsDraft, random_head, random_llama, tiny_config
+from tiny_models import TargetAsDraft, prompt_logits, random_head, random_llama, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -22,19 +20,7 @@ NEAR_TIE = 0.05
 
 def _top2_gap(target, tokens: list[int]) -> float:
     """Gap between the target's two best next-token logits after `tokens` (fresh forward)."""
-    device = target.lm_head.weight.device
-    ids = torch.tensor([tokens], device=device)
-    cfg = target.config
-    empty = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 1, cfg.head_dim, device=device)
-    attn = AttentionInputs(
-        empty.to(target.lm_head.weight.dtype),
-        empty.to(target.lm_head.weight.dtype),
-        torch.zeros(1, dtype=torch.int64, device=device),
-        chain_ancestors(1, len(tokens), device),
-    )
-    positions = torch.arange(len(tokens), device=device)[None]
-    logits = target.logits(target(ids, positions, attn).hidden[0, -1]).float()
-    top = logits.topk(2).values
+    top = prompt_logits(target, tokens)[-1].float().topk(2).values
     return float(top[0] - top[1])
 
 
