@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-COMMAND_MODULES = ("generate", "check", "init-draft", "convert", "bench")
+COMMAND_MODULES = ("generate", "check", "init-draft", "train-draft", "eval", "convert", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

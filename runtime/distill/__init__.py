@@ -1,0 +1,11 @@
+"""Training draft heads by online distillation from their target (`specrun train-draft`).
+
+data.py     prompts, self-distilled responses, batches, the EAGLE-3 draft vocabulary
+losses.py   the target pass, the training-time-test unroll and each head kind's loss
+trainer.py  TrainConfig, the training loop, held-out estimate, checkpoints
+"""
+
+from .data import TrainingSequence
+from .trainer import TrainConfig, TrainResult, train_draft
+
+__all__ = ["TrainConfig", "TrainResult", "TrainingSequence", "train_draft"]

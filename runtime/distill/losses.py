@@ -1,0 +1,204 @@
+"""Training objectives of draft heads: the target pass, the training-time-test unroll, losses.
+
+Conventions (those of inference, runtime/draft.py): draft position j holds the pair
+(token j+1, feature of position j) and predicts token j+2. Training-time test (EAGLE-3)
+unrolls K draft steps over a whole sequence at once: at step k, position j reads
+(token j+1+k, the head's own hidden state of step k-1 at position j) at RoPE position j+k and
+predicts token j+2+k, i.e. it plays a level-k tree node grown from the committed prefix
+0..j. Its attention therefore sees the step-0 keys at positions <= j (the real features) and
+the keys of steps 1..k at position j (its own chain), which is exactly an ancestor bitmask
+over the keys of all steps so far; the head runs through its normal forward with
+AttentionInputs, so training computes the function inference runs.
+
+Losses per step k (averaged over steps with weight decay**k):
+  eagle3  KL(target || draft) over the draft vocabulary, the target renormalised to it;
+          positions whose target top-1 lies outside the draft vocabulary are skipped.
+  eagle1  smooth L1(head hidden, target's next post-norm feature)
+          + 0.1 * cross-entropy of target lm_head(head hidden) against the target distribution.
+  dense   KL(target || draft) over the full vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...models.attention import chain_ancestors, pack_ancestor_mask
+from ...models.eagle import DraftHead, DraftOutput, Eagle3Head
+from ...models.llama import AttentionInputs, Llama
+from .data import Batch
+
+EAGLE1_CE_WEIGHT = 0.1
+
+
+@dataclass
+class TargetPass:
+    """One target forward over a batch: hidden [B, T, H] post-norm, taps [B, T, 3H] or None,
+    logits [B, T, V]; all without gradient."""
+
+    hidden: torch.Tensor
+    taps: torch.Tensor | None
+    logits: torch.Tensor
+
+
+def empty_attention(
+    num_layers: int, batch: int, num_kv_heads: int, head_dim: int, *, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-slot all-masked KV cache [L, B, Hkv, 1, D] (dtype/device of `like`) and its
+    lengths [B] (zeros): training forwards attend to their own keys only."""
+    cache = like.new_zeros(num_layers, batch, num_kv_heads, 1, head_dim)
+    return cache, torch.zeros(batch, dtype=torch.int64, device=like.device)
+
+
+@torch.no_grad()
+def run_target(target: Llama, tokens: torch.Tensor) -> TargetPass:
+    """tokens: [B, T] int64, right-padded (causal attention keeps padding out of real rows)."""
+    config = target.config
+    batch, length = tokens.shape
+    weight = target.lm_head.weight
+    cache, cache_len = empty_attention(
+        config.num_layers, batch, config.num_kv_heads, config.head_dim, like=weight
+    )
+    anc = chain_ancestors(batch, length, tokens.device)
+    positions = torch.arange(length, device=tokens.device).expand(batch, length)
+    out = target(tokens, positions, AttentionInputs(cache, cache, cache_len, anc))
+    return TargetPass(out.hidden, out.taps, target.logits(out.hidden))
+
+
+def ttt_ancestors(batch: int, length: int, step: int, device: torch.device | str) -> torch.Tensor:
+    """Ancestor bitmask [B, T, W] of unroll step `step` over the keys of steps 0..step (each
+    `length` keys, in step order): causal over step 0, the same position in later steps."""
+    if step == 0:
+        return chain_ancestors(batch, length, device)
+    idx = torch.arange(length, device=device)
+    causal = idx[None, :] <= idx[:, None]
+    diagonal = torch.eye(length, dtype=torch.bool, device=device)
+    mask = torch.cat([causal, *[diagonal] * step], dim=1)
+    return pack_ancestor_mask(mask).expand(batch, length, -1)
+
+
+def shift_left(x: torch.Tensor, num: int) -> torch.Tensor:
+    """x: [B, T, ...]. Returns x[:, num:] zero-padded back to length T."""
+    if num == 0:
+        return x
+    pad = x.new_zeros(x.shape[0], min(num, x.shape[1]), *x.shape[2:])
+    return torch.cat([x[:, num:], pad], dim=1)
+
+
+def first_features(head: DraftHead, target_pass: TargetPass) -> torch.Tensor:
+    """Step-0 features [B, T, H]: projected taps (EAGLE-3, with gradient to `fc`) or the
+    target's post-norm hidden state."""
+    if isinstance(head, Eagle3Head):
+        return head.project(target_pass.taps)
+    return target_pass.hidden
+
+
+def unroll(
+    head: DraftHead, tokens: torch.Tensor, features: torch.Tensor, *, num_steps: int
+) -> Iterator[DraftOutput]:
+    """Run `num_steps` training-time-test steps (see the module docstring).
+
+    Args:
+        tokens: [B, T] int64 target ids (the full sequences; step k reads tokens[:, 1+k:]).
+        features: [B, T, H] step-0 features (`first_features`).
+    Yields:
+        each step's DraftOutput (hidden [B, T, H], logits [B, T, V_draft]).
+    """
+    batch, length = tokens.shape
+    layer = head.config.layer
+    positions = torch.arange(length, device=tokens.device).expand(batch, length)
+    cache, cache_len = empty_attention(
+        head.num_layers,
+        batch,
+        layer.num_kv_heads,
+        layer.head_dim,
+        like=features.new_empty(0, dtype=_compute_dtype(features)),
+    )
+    k_side = v_side = None
+    for step in range(num_steps):
+        anc = ttt_ancestors(batch, length, step, tokens.device)
+        attn = AttentionInputs(cache, cache, cache_len, anc, k_side, v_side)
+        out = head(shift_left(tokens, 1 + step), features, positions + step, attn)
+        yield out
+        k_side = out.k_new if k_side is None else torch.cat([k_side, out.k_new], dim=3)
+        v_side = out.v_new if v_side is None else torch.cat([v_side, out.v_new], dim=3)
+        features = out.hidden
+
+
+def _compute_dtype(features: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(features.device.type):
+        return torch.get_autocast_dtype(features.device.type)
+    return features.dtype
+
+
+def step_targets(batch: Batch, target_pass: TargetPass, step: int) -> tuple[torch.Tensor, ...]:
+    """What unroll step `step` is scored against.
+
+    Returns target logits [B, T, V] and post-norm features [B, T, H] of the predicted token's
+    predecessor (position j+1+step), and valid [B, T] bool: the predicted token j+2+step
+    exists and is a response token.
+    """
+    valid = shift_left(batch.loss_mask, 2 + step)
+    return (
+        shift_left(target_pass.logits, 1 + step),
+        shift_left(target_pass.hidden, 1 + step),
+        valid,
+    )
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """values, mask: [B, T]. Mean over the True entries (0 when there are none)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def kl_divergence(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """target_logits, draft_logits: [B, T, V] over the same ids. Returns KL(p || q) [B, T]
+    in float32."""
+    log_p = target_logits.float().log_softmax(-1)
+    log_q = draft_logits.float().log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def step_loss(
+    head: DraftHead,
+    out: DraftOutput,
+    target_logits: torch.Tensor,
+    target_features: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """The scalar loss of one unroll step (see the module docstring for each kind).
+
+    Args:
+        out: the step's DraftOutput (hidden [B, T, H], logits [B, T, V_draft]).
+        target_logits: [B, T, V]; target_features: [B, T, H]; valid: [B, T] bool
+            (from `step_targets`).
+    """
+    kind = head.config.kind
+    if kind == "eagle3":
+        draft_ids = torch.arange(out.logits.shape[-1], device=valid.device)
+        draft_to_target = head.to_target_ids(draft_ids)
+        in_vocab = head.t2d[target_logits.argmax(-1)]
+        kl = kl_divergence(target_logits[..., draft_to_target], out.logits)
+        return masked_mean(kl, valid & in_vocab)
+    if kind == "eagle1":
+        regression = F.smooth_l1_loss(
+            out.hidden.float(), target_features.float(), reduction="none"
+        ).mean(-1)
+        log_q = out.logits.float().log_softmax(-1)
+        cross_entropy = -(target_logits.float().softmax(-1) * log_q).sum(-1)
+        return masked_mean(regression + EAGLE1_CE_WEIGHT * cross_entropy, valid)
+    return masked_mean(kl_divergence(target_logits, out.logits), valid)
+
+
+def top1_agreement(
+    head: DraftHead, out: DraftOutput, target_logits: torch.Tensor, valid: torch.Tensor
+) -> tuple[int, int]:
+    """(positions where the draft's top-1, mapped to target ids, equals the target's, valid
+    positions). out.logits: [B, T, V_draft]; target_logits: [B, T, V]; valid: [B, T] bool."""
+    draft_top = head.to_target_ids(out.logits.argmax(-1))
+    agree = (draft_top == target_logits.argmax(-1)) & valid
+    return int(agree.sum()), int(valid.sum())

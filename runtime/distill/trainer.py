@@ -1,0 +1,334 @@
+"""Online distillation of a draft head: the training loop, held-out estimate, checkpoints.
+
+Each step samples a batch of self-distilled sequences (data.py), runs the frozen target once
+over it (hidden states, taps, logits), unrolls the head for `num_ttt_steps` training-time-test
+steps through its normal forward and takes one AdamW step on the head's own parameters
+(losses.py). The target's embedding / lm_head that heads borrow stay frozen. A checkpoint
+(head state + optimizer + step, and the training sequences) lands in `out/checkpoint` every
+`checkpoint_interval` steps; batches are a pure function of (seed, step), so a resumed run
+continues exactly where the saved one stood. The finished head is written to `out` with
+`save_draft` (published layout), loadable by `Engine.from_pretrained(model, draft=out)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ...models.config import DRAFT_KINDS, DraftConfig
+from ...models.eagle import DraftHead, Eagle3Head, build_draft
+from ...models.llama import Llama
+from ...models.loading import save_draft
+from .data import (
+    TrainingSequence,
+    iter_batches,
+    sample_batch,
+    save_sequences,
+    token_frequencies,
+)
+from .data import draft_vocab as build_draft_vocab
+from .losses import first_features, run_target, step_loss, step_targets, top1_agreement, unroll
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoint"
+STATE_FILE = "state.pt"
+SEQUENCES_FILE = "sequences.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How a head is trained.
+
+    kind: "eagle3", "eagle1" or "dense". num_layers: dense heads only.
+    num_ttt_steps: training-time-test unroll depth K (1 = plain teacher forcing).
+    ttt_decay: weight of unroll step k is ttt_decay**k.
+    draft_vocab_size: EAGLE-3 draft vocabulary (None: min(32000, target vocab)).
+    num_warmup_steps: linear learning-rate warm-up, then cosine decay to 10% over num_steps.
+    checkpoint_interval / eval_interval: steps between checkpoints / held-out estimates.
+    num_heldout: sequences kept out of training for the acceptance estimate.
+    max_length: sequences are truncated to this many tokens.
+    """
+
+    kind: str = "eagle3"
+    num_steps: int = 1000
+    batch_size: int = 8
+    lr: float = 1e-4
+    num_warmup_steps: int = 0
+    num_ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    draft_vocab_size: int | None = None
+    num_layers: int = 1
+    max_grad_norm: float = 0.5
+    checkpoint_interval: int = 200
+    eval_interval: int = 100
+    num_heldout: int = 8
+    max_length: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFT_KINDS:
+            raise ValueError(f"kind {self.kind!r} is not a draft kind; use one of {DRAFT_KINDS}")
+        positive = ("num_steps", "batch_size", "num_ttt_steps", "num_layers", "max_length")
+        positive += ("checkpoint_interval", "eval_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0 or not 0 < self.ttt_decay <= 1 or self.max_grad_norm <= 0:
+            raise ValueError("lr and max_grad_norm must be > 0 and ttt_decay in (0, 1]")
+        if self.num_warmup_steps < 0 or self.num_heldout < 0:
+            raise ValueError("num_warmup_steps and num_heldout must be >= 0")
+        if self.draft_vocab_size is not None and self.kind != "eagle3":
+            raise ValueError("draft_vocab_size applies to eagle3 heads only")
+
+
+@dataclass
+class TrainResult:
+    """The trained head (float32, train mode off), losses per step run, and the held-out
+    top-1 agreement per unroll step at each evaluation as (step, [agreement per step])."""
+
+    head: DraftHead
+    losses: list[float] = field(default_factory=list)
+    heldout: list[tuple[int, list[float]]] = field(default_factory=list)
+
+
+def build_head(
+    target: Llama, config: TrainConfig, sequences: Sequence[TrainingSequence]
+) -> DraftHead:
+    """A fresh float32 head for `target` on its device. EAGLE-3 heads get the draft
+    vocabulary of the sequences' most frequent response tokens and an lm_head initialised
+    from the target's rows of those tokens (when the widths match)."""
+    vocab = target.config.vocab_size
+    draft_vocab = None
+    if config.kind == "eagle3":
+        draft_vocab = config.draft_vocab_size or min(32000, vocab)
+    draft_config = DraftConfig(
+        kind=config.kind,
+        layer=target.config,
+        num_layers=config.num_layers if config.kind == "dense" else 1,
+        draft_vocab_size=draft_vocab,
+        tap_layers=target.tap_layers if config.kind == "eagle3" else None,
+    )
+    device = target.lm_head.weight.device
+    torch.manual_seed(config.seed)
+    with torch.device(device):
+        head = build_draft(draft_config, target).float()
+    if isinstance(head, Eagle3Head):
+        _init_draft_vocab(head, target, token_frequencies(sequences, vocab_size=vocab))
+    return head
+
+
+@torch.no_grad()
+def _init_draft_vocab(head: Eagle3Head, target: Llama, frequencies: torch.Tensor) -> None:
+    d2t, t2d = build_draft_vocab(frequencies, size=head.d2t.shape[0])
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    if head.lm_head.weight.shape[1] == target.lm_head.weight.shape[1]:
+        kept = head.to_target_ids(torch.arange(head.d2t.shape[0], device=head.d2t.device))
+        head.lm_head.weight.copy_(target.lm_head.weight[kept].float())
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay from lr to lr / 10 at num_steps."""
+    if step < config.num_warmup_steps:
+        return config.lr * (step + 1) / config.num_warmup_steps
+    span = max(1, config.num_steps - config.num_warmup_steps)
+    progress = min(1.0, (step - config.num_warmup_steps) / span)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (float32 master weights); plain float32 elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def batch_loss(
+    head: DraftHead, target: Llama, batch, *, config: TrainConfig
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The decay-weighted training loss of one Batch (on the head's device) and the
+    per-step losses (detached)."""
+    target_pass = run_target(target, batch.tokens)
+    features = first_features(head, target_pass)
+    total, weights, per_step = 0.0, 0.0, []
+    outs = unroll(head, batch.tokens, features, num_steps=config.num_ttt_steps)
+    for step, out in enumerate(outs):
+        loss = step_loss(head, out, *step_targets(batch, target_pass, step))
+        weight = config.ttt_decay**step
+        total, weights = total + weight * loss, weights + weight
+        per_step.append(loss.detach())
+    return total / weights, per_step
+
+
+@torch.no_grad()
+def heldout_agreement(
+    head: DraftHead,
+    target: Llama,
+    sequences: Sequence[TrainingSequence],
+    *,
+    config: TrainConfig,
+) -> list[float]:
+    """Top-1 agreement of draft and target per unroll step over `sequences` (a stand-in for
+    the acceptance rate of a chain draft at that depth)."""
+    device = target.lm_head.weight.device
+    agree = [0] * config.num_ttt_steps
+    total = [0] * config.num_ttt_steps
+    batches = iter_batches(sequences, batch_size=config.batch_size, max_length=config.max_length)
+    for batch in batches:
+        batch = batch.to(device)
+        with _autocast(device):
+            target_pass = run_target(target, batch.tokens)
+            features = first_features(head, target_pass)
+            outs = unroll(head, batch.tokens, features, num_steps=config.num_ttt_steps)
+            for step, out in enumerate(outs):
+                logits, _, valid = step_targets(batch, target_pass, step)
+                hits, count = top1_agreement(head, out, logits, valid)
+                agree[step] += hits
+                total[step] += count
+    return [a / t if t else 0.0 for a, t in zip(agree, total, strict=True)]
+
+
+def expected_accepted_length(agreement: Sequence[float]) -> float:
+    """Tokens per round of a chain draft whose step-k proposal is accepted with probability
+    agreement[k] given its parents were: 1 + sum_k prod_{i<=k} agreement[i]."""
+    length, survive = 1.0, 1.0
+    for rate in agreement:
+        survive *= rate
+        length += survive
+    return length
+
+
+def split_heldout(
+    sequences: Sequence[TrainingSequence], *, config: TrainConfig
+) -> tuple[list[TrainingSequence], list[TrainingSequence]]:
+    """(training, held-out): the last num_heldout sequences are held out, keeping at least
+    one for training."""
+    num_heldout = min(config.num_heldout, len(sequences) - 1)
+    if num_heldout <= 0:
+        return list(sequences), []
+    return list(sequences[:-num_heldout]), list(sequences[-num_heldout:])
+
+
+def save_checkpoint(
+    out_dir: Path, head: DraftHead, optimizer: torch.optim.Optimizer, step: int, config
+) -> None:
+    """Write head state + optimizer + step (+ the config as a dict) to out/checkpoint."""
+    directory = out_dir / CHECKPOINT_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {
+        "head": head.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "config": dataclasses.asdict(config),
+    }
+    tmp = directory / (STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(directory / STATE_FILE)
+    logger.info("checkpoint at step %d in %s", step, directory)
+
+
+def load_checkpoint(out_dir: Path, head: DraftHead, optimizer: torch.optim.Optimizer) -> int:
+    """Restore head and optimizer from out/checkpoint; returns the saved step."""
+    path = out_dir / CHECKPOINT_DIR / STATE_FILE
+    if not path.is_file():
+        raise ValueError(f"no checkpoint at {path}; run without --resume to start afresh")
+    device = next(head.parameters()).device
+    state = torch.load(path, map_location=device, weights_only=True)
+    head.load_state_dict(state["head"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def checkpoint_sequences_path(out_dir: str | Path) -> Path:
+    """Where a run keeps its training sequences (so a resumed run trains on the same data)."""
+    return Path(out_dir) / CHECKPOINT_DIR / SEQUENCES_FILE
+
+
+def train_draft(
+    target: Llama,
+    sequences: Sequence[TrainingSequence],
+    *,
+    config: TrainConfig,
+    out_dir: str | Path,
+    resume: bool = False,
+    stop_at: int | None = None,
+    max_seconds: float | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train a head of `config.kind` on `sequences` with `target` frozen; write it to out_dir.
+
+    With `resume`, head/optimizer/step come from out_dir/checkpoint and training continues
+    at the saved step (the same batches follow as in an uninterrupted run). `stop_at` (a
+    step) and `max_seconds` (wall time) end a time-sliced run early with a checkpoint, to be
+    continued with `resume`; the head written to out_dir is then the one trained so far.
+    """
+    out_dir = Path(out_dir)
+    target.requires_grad_(False)
+    train_set, heldout = split_heldout(sequences, config=config)
+    head = build_head(target, config, train_set)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+    start = load_checkpoint(out_dir, head, optimizer) if resume else 0
+    if not resume:
+        save_sequences(sequences, checkpoint_sequences_path(out_dir))
+    result = TrainResult(head)
+    bar = tqdm(range(start, config.num_steps), initial=start, total=config.num_steps,
+               disable=not progress, desc=f"train {config.kind}")  # fmt: skip
+    head.train()
+    started = time.monotonic()
+    for step in bar:
+        loss = _train_step(head, target, optimizer, train_set, step, config=config)
+        result.losses.append(loss)
+        postfix = {"loss": f"{loss:.4f}"}
+        if heldout and ((step + 1) % config.eval_interval == 0 or step + 1 == config.num_steps):
+            postfix |= _evaluate(head, target, heldout, step + 1, result, config=config)
+        bar.set_postfix(postfix)
+        out_of_time = max_seconds is not None and time.monotonic() - started > max_seconds
+        stopping = out_of_time or step + 1 == stop_at
+        if stopping or (step + 1) % config.checkpoint_interval == 0 or step + 1 == config.num_steps:
+            save_checkpoint(out_dir, head, optimizer, step + 1, config)
+        if stopping:
+            logger.info("stopped at step %d of %d (resume continues)", step + 1, config.num_steps)
+            break
+    bar.close()
+    head.eval()
+    save_draft(head, out_dir)
+    return result
+
+
+def _evaluate(head, target, heldout, step: int, result: TrainResult, *, config) -> dict:
+    """Held-out agreement at `step`: recorded in `result`, logged, returned for the bar."""
+    agreement = heldout_agreement(head, target, heldout, config=config)
+    result.heldout.append((step, agreement))
+    length = expected_accepted_length(agreement)
+    logger.info("step %d: held-out top-1 agreement %s, chain length %.2f", step, agreement, length)
+    head.train()
+    return {"acc": f"{agreement[0]:.3f}", "len": f"{length:.2f}"}
+
+
+def _train_step(head, target, optimizer, train_set, step: int, *, config: TrainConfig) -> float:
+    device = target.lm_head.weight.device
+    batch = sample_batch(
+        train_set,
+        batch_size=config.batch_size,
+        max_length=config.max_length,
+        seed=config.seed * 1_000_003 + step,
+    ).to(device)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(config, step)
+    with _autocast(device):
+        loss, _ = batch_loss(head, target, batch, config=config)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), config.max_grad_norm)
+    optimizer.step()
+    return float(loss.detach())

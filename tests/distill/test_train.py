@@ -1,0 +1,177 @@
+"""Online distillation of draft heads on a tiny target: the training-time-test unroll is the
+inference computation, losses fall, heads round-trip through save/load, resume is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specrun.models.attention import chain_ancestors
+from specrun.models.llama import AttentionInputs
+from specrun.models.loading import check_vocab_maps, load_draft
+from specrun.runtime.config import SamplingParams
+from specrun.runtime.distill.data import (
+    TrainingSequence,
+    draft_vocab,
+    generate_sequences,
+    make_batch,
+    token_frequencies,
+)
+from specrun.runtime.distill.losses import first_features, run_target, unroll
+from specrun.runtime.distill.trainer import TrainConfig, split_heldout, train_draft
+from specrun.runtime.kv_cache import KVCache
+from specrun.runtime.reference import reference_generate
+from specrun.runtime.speculative import speculative_generate
+from specrun.runtime.tree import TreeShape
+from tiny_models import random_head, random_llama, tiny_config
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_llama(tiny_config(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def sequences(target) -> list[TrainingSequence]:
+    """Greedy self-distilled responses to 48 random prompts."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(97, (3 + i % 5,), generator=generator).tolist() for i in range(48)]
+    return generate_sequences(target, prompts, max_new_tokens=24, temperature=0.0)
+
+
+def _train(target, sequences, tmp_path, **overrides):
+    fields = {
+        "num_steps": 40,
+        "batch_size": 8,
+        "lr": 3e-3,
+        "num_ttt_steps": 3,
+        "eval_interval": 20,
+        "checkpoint_interval": 20,
+        "num_heldout": 6,
+    }
+    config = TrainConfig(**(fields | overrides))
+    return train_draft(target, sequences, config=config, out_dir=tmp_path, progress=False)
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
+def _inference_chain(head, tokens, features, *, position: int, num_steps: int):
+    """Hidden states [num_steps, H] of a chain draft grown from committed prefix 0..position
+    the way the runtime runs it: prefix pairs in the draft cache, chain nodes in a side buffer."""
+    layer = head.config.layer
+    cache = KVCache.allocate(layer, num_layers=1, batch_size=1, capacity=64,
+                             dtype=features.dtype, device="cpu")  # fmt: skip
+    if position > 0:
+        anc = chain_ancestors(1, position, "cpu")
+        pos = torch.arange(position)[None]
+        out = head(tokens[:, 1 : position + 1], features[:, :position], pos,
+                   cache.attention_inputs(anc))  # fmt: skip
+        cache.append(out.k_new, out.v_new, torch.tensor([position]))
+    hiddens, k_side, v_side = [], None, None
+    feature = features[:, position : position + 1]
+    for step in range(num_steps):
+        anc = chain_ancestors(1, step + 1, "cpu")[:, -1:]
+        attn = AttentionInputs(cache.k, cache.v, cache.lengths, anc, k_side, v_side)
+        token = tokens[:, position + 1 + step : position + 2 + step]
+        out = head(token, feature, torch.tensor([[position + step]]), attn)
+        k_side = out.k_new if k_side is None else torch.cat([k_side, out.k_new], dim=3)
+        v_side = out.v_new if v_side is None else torch.cat([v_side, out.v_new], dim=3)
+        feature = out.hidden
+        hiddens.append(out.hidden[0, 0])
+    return torch.stack(hiddens)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_training_time_test_is_the_inference_computation(kind):
+    target = random_llama(tiny_config(), seed=3, dtype=torch.float64)
+    head = random_head(kind, target, seed=4)
+    tokens = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(5))
+    num_steps = 4
+    with torch.no_grad():
+        features = first_features(head, run_target(target, tokens))
+        unrolled = [out.hidden[0] for out in unroll(head, tokens, features, num_steps=num_steps)]
+        for position in (0, 3, 7):
+            expected = _inference_chain(
+                head, tokens, features, position=position, num_steps=num_steps
+            )
+            got = torch.stack([hidden[position] for hidden in unrolled])
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_eagle3_loss_falls_and_the_head_round_trips(target, sequences, tmp_path):
+    result = _train(target, sequences, tmp_path, kind="eagle3", draft_vocab_size=48)
+    assert _mean(result.losses[-5:]) < 0.6 * _mean(result.losses[:5])
+    first, last = result.heldout[0][1], result.heldout[-1][1]
+    assert last[0] > first[0] - 0.05
+    loaded = load_draft(tmp_path, target=target)
+    trained = result.head.state_dict()
+    assert set(loaded.state_dict()) == set(trained)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    tokens = make_batch(sequences[:2], max_length=64).tokens
+    with torch.no_grad():
+        features = first_features(loaded, run_target(target, tokens))
+        ours = next(unroll(result.head, tokens, features, num_steps=1))
+        theirs = next(unroll(loaded, tokens, features, num_steps=1))
+    assert torch.equal(ours.logits, theirs.logits)
+
+
+def test_trained_eagle3_vocab_is_consistent(target, sequences, tmp_path):
+    result = _train(target, sequences, tmp_path, kind="eagle3", draft_vocab_size=32, num_steps=2)
+    head = result.head
+    check_vocab_maps(head)
+    draft_ids = torch.arange(32)
+    mapped = head.to_target_ids(draft_ids)
+    assert bool(head.t2d[mapped].all()) and int(head.t2d.sum()) == 32
+    assert bool((mapped[1:] > mapped[:-1]).all())
+    train_set, _ = split_heldout(sequences, config=TrainConfig(num_heldout=6))
+    counts = token_frequencies(train_set, vocab_size=97)
+    most_frequent = counts.argsort(descending=True, stable=True)[:8]
+    assert bool(head.t2d[most_frequent].all())
+
+
+def test_draft_vocab_keeps_the_most_frequent_ids():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    d2t, t2d = draft_vocab(counts, size=3)
+    assert (torch.arange(3) + d2t).tolist() == [2, 3, 5]
+    assert t2d.tolist() == [False, False, True, True, False, True]
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        draft_vocab(counts, size=7)
+
+
+def test_eagle1_loss_falls(target, sequences, tmp_path):
+    result = _train(target, sequences, tmp_path, kind="eagle1", num_ttt_steps=1)
+    assert _mean(result.losses[-5:]) < 0.8 * _mean(result.losses[:5])
+    loaded = load_draft(tmp_path, target=target)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, result.head.state_dict()[name]), name
+
+
+def test_trained_head_speculates_losslessly(target, sequences, tmp_path):
+    _train(target, sequences, tmp_path, kind="eagle3", draft_vocab_size=48, num_steps=10)
+    head = load_draft(tmp_path, target=target)
+    prompts = [list(s.token_ids[: s.num_prompt]) for s in sequences[:3]]
+    params = SamplingParams(max_new_tokens=12)
+    shape = TreeShape(depth=3, topk=2, num_nodes=6)
+    spec, _ = speculative_generate(target, head, prompts, params, shape=shape)
+    plain = reference_generate(target, prompts, params)
+    assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
+
+
+def test_resume_continues_at_the_saved_step(target, sequences, tmp_path):
+    overrides = {"kind": "eagle3", "draft_vocab_size": 48, "num_steps": 6, "checkpoint_interval": 3}
+    whole = _train(target, sequences, tmp_path / "whole", **overrides)
+    config = TrainConfig(**({"batch_size": 8, "lr": 3e-3, "num_ttt_steps": 3,
+                             "eval_interval": 20, "num_heldout": 6} | overrides))  # fmt: skip
+    first = train_draft(target, sequences, config=config, out_dir=tmp_path / "cut", stop_at=3,
+                        progress=False)  # fmt: skip
+    assert len(first.losses) == 3
+    state = torch.load(tmp_path / "cut" / "checkpoint" / "state.pt", weights_only=True)
+    assert state["step"] == 3
+    rest = train_draft(target, sequences, config=config, out_dir=tmp_path / "cut", resume=True,
+                       progress=False)  # fmt: skip
+    assert rest.losses == whole.losses[3:]
+    for name, tensor in rest.head.state_dict().items():
+        assert torch.equal(tensor, whole.head.state_dict()[name]), name

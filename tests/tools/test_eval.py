@@ -1,0 +1,80 @@
+"""`specrun eval` and `specrun train-draft` end to end on a tiny model directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from specrun.models.loading import save_draft, save_target
+from specrun.runtime.config import EngineConfig, SamplingParams
+from specrun.runtime.engine import Engine
+from specrun.tools.cli import main
+from tiny_models import random_head, random_llama, tiny_config
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny target saved as an HF directory with a WordLevel tokenizer ("t0" .. "t96")."""
+    directory = tmp_path_factory.mktemp("tiny-model")
+    save_target(random_llama(tiny_config(), seed=0), directory)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    lines = [{"prompt": "t5 t17 t3"}, {"prompt_ids": [9, 41, 2, 77]}, {"prompt": "t60 t1"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, capsys):
+    target = random_llama(tiny_config(), seed=0)
+    draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
+    json_path = tmp_path / "eval.jsonl"
+    argv = ["eval", "--model", str(model_dir), "--draft", str(draft_dir)]
+    argv += ["--prompts", str(prompts_file), "--temperatures", "0", "1", "--max-new-tokens", "10"]
+    argv += ["--depth", "3", "--topk", "2", "--nodes", "5", "--ignore-eos", "--json"]
+    argv += [str(json_path), "--device", "cpu", "--dtype", "float32"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in json_path.read_text().splitlines()]
+    assert [r["temperature"] for r in records] == [0.0, 1.0]
+    for record in records:
+        assert record["num_prompts"] == 3 and record["num_generated_tokens"] == 30
+        assert len(record["accepted_histogram"]) == 4
+        assert sum(record["accepted_histogram"]) == record["num_rounds"] > 0
+        assert 1.0 <= record["mean_accepted_length"] <= 4.0
+        assert record["tokens_per_second"] > 0 and record["baseline_tokens_per_second"] > 0
+        assert record["speedup"] > 0
+    out = capsys.readouterr().out
+    assert "accept len" in out and out.count('"temperature"') == 2
+
+
+def test_train_draft_writes_a_head_the_engine_loads(model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "trained"
+    argv = ["train-draft", "--model", str(model_dir), "--out", str(out), "--prompts"]
+    argv += [str(prompts_file), "--steps", "4", "--batch-size", "2", "--ttt-steps", "2"]
+    argv += ["--draft-vocab", "40", "--max-new-tokens", "12", "--heldout", "1"]
+    argv += ["--device", "cpu", "--dtype", "float32", "--checkpoint-interval", "2"]
+    assert main(argv) == 0
+    assert "held-out top-1 agreement" in capsys.readouterr().out
+    assert (out / "checkpoint" / "state.pt").is_file()
+    assert main([*argv, "--steps", "6", "--resume"]) == 0
+    state = torch.load(out / "checkpoint" / "state.pt", weights_only=True)
+    assert state["step"] == 6
+    config = EngineConfig(device="cpu", dtype="float32")
+    spec = Engine.from_pretrained(model_dir, draft=out, config=config)
+    plain = Engine.from_pretrained(model_dir, config=config)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert spec.generate("t5 t17 t3", params)[0].token_ids == (
+        plain.generate("t5 t17 t3", params)[0].token_ids
+    )

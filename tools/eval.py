@@ -1,0 +1,123 @@
+"""`specrun eval`: how well a draft head speculates for its model.
+
+For each temperature: every prompt is decoded alone (batch 1) twice with the same engine
+settings, once speculatively with the head and once plainly (no head), and reported as one
+JSON line: mean accepted length (tokens per round), the histogram of accepted draft tokens
+per round, tokens/s of both and the speed-up. A table follows on stdout.
+Prompts are JSON lines {"prompt": text} or {"prompt_ids": [ids]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..runtime.config import EngineConfig, SamplingParams
+from ..runtime.distill.data import read_prompts
+from ..runtime.engine import Engine, EngineStats
+from .generate import add_tree_arguments, tree_shape
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("eval", help="acceptance and speed-up of a draft head")
+    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
+    parser.add_argument("--draft", required=True, help="draft-head directory")
+    parser.add_argument("--prompts", required=True, help='JSONL of {"prompt": ...} lines')
+    parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    add_tree_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate the maximum")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--raw", action="store_true", help="no chat template")
+    parser.add_argument("--json", default=None, help="also write the JSON lines to this file")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args.prompts)[: args.max_prompts]
+    config = EngineConfig(
+        device=args.device, dtype=args.dtype, chat_template=not args.raw, tree=tree_shape(args)
+    )
+    loaded = Engine.from_pretrained(args.model, draft=args.draft, config=config)
+    records = [evaluate_point(loaded, prompts, args, temperature=t) for t in args.temperatures]
+    lines = [json.dumps(record) for record in records]
+    for line in lines:
+        print(line)
+    if args.json:
+        Path(args.json).write_text("".join(line + "\n" for line in lines))
+    print(format_table(records))
+    loaded.close()
+    return 0
+
+
+def evaluate_point(
+    loaded: Engine, prompts: list, args: argparse.Namespace, *, temperature: float
+) -> dict:
+    """Speculative and plain decoding of every prompt at one temperature."""
+    params = SamplingParams(
+        temperature=temperature,
+        max_new_tokens=args.max_new_tokens,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
+    spec = Engine(loaded.model, loaded.tokenizer, loaded.config, head=loaded.head)
+    plain = Engine(loaded.model, loaded.tokenizer, loaded.config)
+    # One untimed request each first, so lazy initialisation is not charged to either side.
+    for engine in (spec, plain):
+        engine.generate(prompts[0], _warmup_params(params))
+    spec_before, plain_before = spec.stats(), plain.stats()
+    for prompt in prompts:
+        spec.generate(prompt, params)
+        plain.generate(prompt, params)
+    spec_stats = _since(spec_before, spec.stats())
+    plain_stats = _since(plain_before, plain.stats())
+    shape = loaded.config.tree
+    return {
+        "temperature": temperature,
+        "num_prompts": len(prompts),
+        "depth": shape.depth,
+        "topk": shape.topk,
+        "nodes": shape.num_nodes,
+        "mean_accepted_length": spec_stats.mean_accepted_length,
+        "accepted_histogram": spec_stats.accepted_histogram,
+        "num_rounds": spec_stats.num_rounds,
+        "num_generated_tokens": spec_stats.num_generated_tokens,
+        "tokens_per_second": spec_stats.tokens_per_second,
+        "baseline_tokens_per_second": plain_stats.tokens_per_second,
+        "speedup": spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9),
+    }
+
+
+def _warmup_params(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=params.temperature, max_new_tokens=min(4, params.max_new_tokens)
+    )
+
+
+def _since(before: EngineStats, after: EngineStats) -> EngineStats:
+    """The totals `after` accumulated since the snapshot `before`."""
+    old = before.accepted_histogram or [0] * len(after.accepted_histogram)
+    return EngineStats(
+        num_requests=after.num_requests - before.num_requests,
+        num_generated_tokens=after.num_generated_tokens - before.num_generated_tokens,
+        decode_seconds=after.decode_seconds - before.decode_seconds,
+        num_rounds=after.num_rounds - before.num_rounds,
+        accepted_histogram=[a - b for a, b in zip(after.accepted_histogram, old, strict=True)],
+    )
+
+
+def format_table(records: list[dict]) -> str:
+    """One row per temperature: accepted length, tokens/s with and without the head."""
+    header = f"{'temp':>6} {'accept len':>10} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8}"
+    rows = [header, "-" * len(header)]
+    for r in records:
+        rows.append(
+            f"{r['temperature']:>6.2f} {r['mean_accepted_length']:>10.2f} "
+            f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
+            f"{r['speedup']:>7.2f}x"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,128 @@
+"""`specrun train-draft`: train an EAGLE draft head for a model by online self-distillation.
+
+The target answers the prompts (greedy, or sampled with --temperature), then trains the head
+on those sequences with the target running inside the loop (runtime/distill). The output
+directory is a draft head in the published layout: `specrun generate --draft OUT`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..models.config import DRAFT_KINDS
+from ..models.default import default_model_dir
+from ..models.loading import load_target
+from ..models.tokenizer import Tokenizer
+from ..runtime.config import EngineConfig
+from ..runtime.distill.data import (
+    encode_prompts,
+    generate_sequences,
+    load_sequences,
+    read_prompts,
+)
+from ..runtime.distill.trainer import TrainConfig, checkpoint_sequences_path, train_draft
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train-draft", help="train a draft head by distillation")
+    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
+    parser.add_argument("--out", required=True, help="output head directory")
+    parser.add_argument("--kind", choices=DRAFT_KINDS, default="eagle3")
+    parser.add_argument("--prompts", required=True, help='JSONL of {"prompt": ...} lines')
+    parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="response length")
+    parser.add_argument("--temperature", type=float, default=0.0, help="responses: 0 = greedy")
+    parser.add_argument("--raw", action="store_true", help="no chat template")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--ttt-steps", type=int, default=7, help="training-time-test depth")
+    parser.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 draft vocab")
+    parser.add_argument("--num-layers", type=int, default=1, help="dense heads: layers")
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--checkpoint-interval", type=int, default=200)
+    parser.add_argument("--eval-interval", type=int, default=100)
+    parser.add_argument("--heldout", type=int, default=8, help="held-out sequences")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at step")
+    parser.add_argument(
+        "--max-minutes", type=float, default=None, help="checkpoint and stop after this long"
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16")
+    parser.set_defaults(func=run)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        kind=args.kind,
+        num_steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        num_warmup_steps=args.warmup_steps,
+        num_ttt_steps=args.ttt_steps,
+        draft_vocab_size=args.draft_vocab if args.kind == "eagle3" else None,
+        num_layers=args.num_layers,
+        max_length=args.max_length,
+        checkpoint_interval=args.checkpoint_interval,
+        eval_interval=args.eval_interval,
+        num_heldout=args.heldout,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = train_config(args)
+    model_dir = args.model or default_model_dir()
+    engine_config = EngineConfig(device=args.device, dtype=args.dtype)
+    target = load_target(
+        model_dir, dtype=engine_config.resolved_dtype(), device=engine_config.resolved_device()
+    )
+    if args.resume:
+        sequences = load_sequences(checkpoint_sequences_path(args.out))
+    else:
+        sequences = _self_distilled(args, target, model_dir)
+    num_tokens = sum(len(s.token_ids) - s.num_prompt for s in sequences)
+    print(
+        f"training a {args.kind} head on {len(sequences)} sequences ({num_tokens} response tokens)"
+    )
+    result = train_draft(
+        target,
+        sequences,
+        config=config,
+        out_dir=args.out,
+        resume=args.resume,
+        stop_at=args.stop_at,
+        max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+    )
+    if result.losses:
+        print(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    if result.heldout:
+        step, agreement = result.heldout[-1]
+        rates = " ".join(f"{a:.3f}" for a in agreement)
+        print(f"held-out top-1 agreement per draft step at step {step}: {rates}")
+    print(f"wrote the {args.kind} head to {args.out}")
+    return 0
+
+
+def _self_distilled(args: argparse.Namespace, target, model_dir):
+    prompts = read_prompts(args.prompts)[: args.max_prompts]
+    tokenizer = None
+    if any(isinstance(p, str) for p in prompts):
+        tokenizer = Tokenizer.from_dir(model_dir)
+    encoded = encode_prompts(prompts, tokenizer, chat_template=not args.raw)
+    eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
+    print(f"generating responses to {len(encoded)} prompts (up to {args.max_new_tokens} tokens)")
+    return generate_sequences(
+        target,
+        encoded,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        eos_token_ids=eos,
+    )
