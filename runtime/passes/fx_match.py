@@ -3,7 +3,8 @@
 A post-grad graph is functional ATen: every node's `meta["val"]` is a fake tensor (or a
 tuple of them), shapes may be symbolic, and arguments come positionally or by keyword
 depending on how the decomposition that produced them was written. These helpers hide
-those differences: `kwargs_of` normalises a call to its schema's keyword form, `same` compares
+those differences: `kwargs_of` normalises a call to its schema's keyword form (defaults
+filled in), `same` compares
 sizes without adding guards, `scalar_value` reads a constant that constant folding may have
 turned into a `full([])` node. Every predicate answers "is this exactly X"; none guesses.
 """
@@ -47,9 +48,15 @@ def shape_of(node: Any) -> tuple[Any, ...] | None:
     return None if value is None else tuple(value.shape)
 
 
+def known_true(condition: Any) -> bool:
+    """A (possibly symbolic) condition that holds for every value of its symbols; never adds
+    a guard, so it is safe in a pass that runs after guards are final."""
+    return statically_known_true(condition)
+
+
 def same(a: Any, b: Any) -> bool:
-    """Sizes (ints or SymInts) equal for every value of the symbols, without adding guards."""
-    return statically_known_true(a == b)
+    """Sizes (ints or SymInts) equal for every value of the symbols."""
+    return known_true(a == b)
 
 
 def same_shape(a: Sequence[Any] | None, b: Sequence[Any] | None) -> bool:
@@ -103,9 +110,13 @@ def is_last_dims(dims: Any, ndim: int) -> bool:
     return is_dim(dims, -1, ndim)
 
 
-def strip_noop_expand(node: Any) -> Any:
-    """`expand(x, shape)` with shape == x.shape is x (matmul decompositions emit these)."""
-    while is_call(node, aten.expand.default) and same_shape(shape_of(node.args[0]), shape_of(node)):
+def strip_copies(node: Any) -> Any:
+    """x for value-preserving wrappers of x of the same shape: `expand(x, x.shape)` and
+    `clone(x)` (matmul decompositions emit both to get a contiguous batch)."""
+    while (
+        is_call(node, aten.expand.default, aten.clone.default)
+        and same_shape(shape_of(node.args[0]), shape_of(node))
+    ):
         node = node.args[0]
     return node
 

@@ -40,7 +40,7 @@ from .fx_match import (
     scalar_value,
     shape_of,
     strip_cast,
-    strip_noop_expand,
+    strip_copies,
     tensor_val,
 )
 
@@ -219,7 +219,7 @@ def _unflatten_heads(node: fx.Node) -> fx.Node | None:
     """x [B, H, R, C] for reshape(expand(x), [B * H, R, C]) (how matmul feeds bmm), else None."""
     if not is_call(node, *RESHAPES):
         return None
-    source = strip_noop_expand(node.args[0])
+    source = strip_copies(node.args[0])
     src, out = shape_of(source), shape_of(node)
     if src is None or out is None or len(src) != 4:
         return None
