@@ -31,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
     parser.add_argument("--out", required=True, help="output head directory")
     parser.add_argument("--kind", choices=DRAFT_KINDS, default="eagle3")
-    parser.add_argument("--prompts", required=True, help='JSONL of {"prompt": ...} lines')
+    parser.add_argument(
+        "--prompts", required=True, help='JSONL of {"prompt": ...} lines, or builtin:train'
+    )
     parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="response length")
     parser.add_argument("--temperature", type=float, default=0.0, help="responses: 0 = greedy")

@@ -23,6 +23,7 @@ from ...models.llama import Llama
 from ...models.tokenizer import Tokenizer
 from ..config import SamplingParams
 from ..reference import reference_generate
+from .prompts import builtin_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,14 @@ class Batch:
         return Batch(self.tokens.to(device), self.lengths.to(device), self.loss_mask.to(device))
 
 
+BUILTIN_PREFIX = "builtin:"
+
+
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts of a JSONL file ({"prompt": str} or {"prompt_ids": [int]} per line)."""
+    """Prompts of a JSONL file ({"prompt": str} or {"prompt_ids": [int]} per line), or a
+    built-in split named "builtin:train" / "builtin:heldout" (see prompts.py)."""
+    if str(path).startswith(BUILTIN_PREFIX):
+        return list(builtin_prompts(str(path)[len(BUILTIN_PREFIX) :]))
     prompts: list[Prompt] = []
     with Path(path).open(encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
