@@ -91,10 +91,7 @@ def scalar_value(arg: Any) -> float | None:
 
 def is_fill(arg: Any, value: float) -> bool:
     """A constant tensor (any shape) or scalar whose every element is `value`."""
-    if is_call(arg, aten.full.default):
-        fill = scalar_value(arg.args[1])
-    else:
-        fill = scalar_value(arg)
+    fill = scalar_value(arg.args[1] if is_call(arg, aten.full.default) else arg)
     return fill is not None and (fill == value or (math.isnan(fill) and math.isnan(value)))
 
 
@@ -113,9 +110,8 @@ def is_last_dims(dims: Any, ndim: int) -> bool:
 def strip_copies(node: Any) -> Any:
     """x for value-preserving wrappers of x of the same shape: `expand(x, x.shape)` and
     `clone(x)` (matmul decompositions emit both to get a contiguous batch)."""
-    while (
-        is_call(node, aten.expand.default, aten.clone.default)
-        and same_shape(shape_of(node.args[0]), shape_of(node))
+    while is_call(node, aten.expand.default, aten.clone.default) and same_shape(
+        shape_of(node.args[0]), shape_of(node)
     ):
         node = node.args[0]
     return node

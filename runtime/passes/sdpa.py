@@ -89,7 +89,7 @@ def _consistent(call: SdpaCall) -> bool:
     q, k, v, out = (tensor_val(n) for n in (call.query, call.key, call.value, call.output))
     if any(t is None or t.dim() != 4 for t in (q, k, v, out)):
         return False
-    batch, num_q_heads, num_queries, head_dim = q.shape
+    batch, num_q_heads, _, head_dim = q.shape
     num_kv_heads = k.shape[1]
     return (
         same_shape(k.shape, v.shape)
@@ -115,7 +115,10 @@ def _match_fused(node: fx.Node) -> SdpaCall | None:
     query = kwargs["query"]
     scale = kwargs.get("scale")
     if scale is None:
-        scale = shape_of(query)[-1] ** -0.5
+        head_dim = shape_of(query)[-1]
+        if not isinstance(head_dim, int):
+            return None
+        scale = head_dim**-0.5
     key, value = _unrepeat_heads(kwargs["key"]), _unrepeat_heads(kwargs["value"])
     form = op.target._opname.removeprefix("_scaled_dot_product_")
     return SdpaCall(node, query, key, value, _unbroadcast_bias(bias), float(scale), form)
@@ -167,7 +170,9 @@ def _unrepeat_heads(node: fx.Node) -> fx.Node:
     inner = node.args[0]
     if is_call(inner, aten.clone.default):
         inner = inner.args[0]
-    if not is_call(inner, aten.expand.default) or not is_call(inner.args[0], aten.unsqueeze.default):
+    if not is_call(inner, aten.expand.default) or not is_call(
+        inner.args[0], aten.unsqueeze.default
+    ):
         return node
     source = inner.args[0].args[0]
     src, out, grouped = shape_of(source), shape_of(node), shape_of(inner)
@@ -177,8 +182,7 @@ def _unrepeat_heads(node: fx.Node) -> fx.Node:
     group = grouped[2]
     return (
         source
-        if is_dim(inner.args[0].args[1], 2, 5)
-        and same_shape(grouped, (batch, num_kv_heads, group, length, head_dim))
+        if same_shape(grouped, (batch, num_kv_heads, group, length, head_dim))
         and same_shape(out, (batch, num_kv_heads * group, length, head_dim))
         else node
     )
@@ -188,7 +192,11 @@ def _match_math(node: fx.Node) -> SdpaCall | None:
     """node = [convert(] reshape(bmm(probs, value)) [)]: the math lowering's output."""
     out_dtype = getattr(tensor_val(node), "dtype", None)
     inner = node.args[0] if is_call(node, prims.convert_element_type.default) else node
-    if out_dtype is None or not is_call(inner, *RESHAPES) or not is_call(inner.args[0], aten.bmm.default):
+    if (
+        out_dtype is None
+        or not is_call(inner, *RESHAPES)
+        or not is_call(inner.args[0], aten.bmm.default)
+    ):
         return None
     probs, value = (_unflatten_heads(x) for x in inner.args[0].args)
     if probs is None or value is None or not same_shape(shape_of(inner), _bmm_shape(probs, value)):
@@ -205,14 +213,23 @@ def _match_math(node: fx.Node) -> SdpaCall | None:
         return None
     query, key, scale = qk
     value = _source(value)
+    bias = strip_cast(bias, torch.float32)
     if out_dtype != tensor_val(query).dtype:
         return None
     return SdpaCall(node, query, key, value, bias, scale, "math")
 
 
+def _is_batched_matmul(node: fx.Node) -> bool:
+    """node = reshape(bmm(a, b)), how matmul of 4-D operands returns."""
+    return is_call(node, *RESHAPES) and is_call(node.args[0], aten.bmm.default)
+
+
 def _bmm_shape(a: fx.Node, b: fx.Node) -> tuple | None:
+    """Shape of a @ b for [B, H, R, K] @ [B, H, K, C] (same B and H, not just B * H)."""
     sa, sb = shape_of(a), shape_of(b)
-    return None if sa is None or sb is None else (*sa[:-1], sb[-1])
+    if sa is None or sb is None or not same_shape(sa[:-2], sb[:-2]):
+        return None
+    return (*sa[:-1], sb[-1])
 
 
 def _unflatten_heads(node: fx.Node) -> fx.Node | None:
@@ -284,7 +301,7 @@ def _is_all_masked(cond: fx.Node, logits: fx.Node) -> bool:
 
 def _match_scaled_qk(scores: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
     """(q, k, scale) for scores = reshape(bmm(q * c, k^T * c)) [B, H, M, L], scale = c^2."""
-    if not is_call(scores, *RESHAPES) or not is_call(scores.args[0], aten.bmm.default):
+    if not _is_batched_matmul(scores):
         return None
     q_scaled, kt_scaled = (_unflatten_heads(x) for x in scores.args[0].args)
     if q_scaled is None or kt_scaled is None:

@@ -1,0 +1,145 @@
+"""Compile step functions with Inductor and specrun's post-grad passes.
+
+A step is any callable the runtime runs as one graph: a target forward (prefill, verify), a
+draft-head forward, a whole speculative round. `compile_step` wraps it in
+`torch.compile(fullgraph=True, backend="inductor")` with Inductor's own CUDA graphs off (the
+runner captures graphs itself) and, around every call (compilation happens lazily inside
+calls), installs the pass manager and bounds recompilation:
+
+- `manager.installed()` patches `post_grad_custom_post_pass` for the duration of the call;
+  global config is never modified, so other compilations in the process are unaffected;
+- `torch._dynamo.config.patch(recompile_limit=..., fail_on_recompile_limit_hit=True)`: a
+  step that keeps recompiling raises instead of silently falling back to eager.
+
+`CompiledStep.num_compiles` counts the graphs compiled for the step; every compile past the
+first is logged as a warning (`TORCH_LOGS=recompiles` prints the guard that failed).
+
+Nothing here knows a model: the helpers only choose a name and whether shapes are dynamic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+
+from ..passes import PassManager
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RECOMPILE_LIMIT = 8
+_INDUCTOR_OPTIONS = {"triton.cudagraphs": False}
+
+
+class CompiledStep:
+    """A step compiled with Inductor under a pass manager; call it like the step itself."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str,
+        dynamic: bool,
+        manager: PassManager,
+        recompile_limit: int,
+        options: Mapping[str, Any],
+    ) -> None:
+        if recompile_limit < 1:
+            raise ValueError(f"recompile_limit must be at least 1, not {recompile_limit}")
+        self.name = name
+        self.manager = manager
+        self.recompile_limit = recompile_limit
+        self.num_compiles = 0
+        self._compiled = torch.compile(
+            fn,
+            fullgraph=True,
+            dynamic=dynamic,
+            backend="inductor",
+            options={**_INDUCTOR_OPTIONS, **options},
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        num_graphs = counters["stats"]["unique_graphs"]
+        with self._compiling():
+            out = self._compiled(*args, **kwargs)
+        num_new = counters["stats"]["unique_graphs"] - num_graphs
+        if num_new:
+            self._record_compiles(num_new)
+        return out
+
+    @contextlib.contextmanager
+    def _compiling(self) -> Iterator[None]:
+        with (
+            self.manager.installed(),
+            torch._dynamo.config.patch(
+                recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True
+            ),
+        ):
+            yield
+
+    def _record_compiles(self, num_new: int) -> None:
+        self.num_compiles += num_new
+        if self.num_compiles == num_new:
+            logger.info("step %s compiled (passes: %s)", self.name, dict(self.manager.stats))
+        else:
+            logger.warning(
+                "step %s recompiled: %d graphs so far (limit %d); TORCH_LOGS=recompiles "
+                "shows the guard that failed",
+                self.name,
+                self.num_compiles,
+                self.recompile_limit,
+            )
+
+
+def compile_step(
+    fn: Callable[..., Any],
+    *,
+    name: str,
+    dynamic: bool = False,
+    manager: PassManager | None = None,
+    recompile_limit: int = DEFAULT_RECOMPILE_LIMIT,
+    options: Mapping[str, Any] | None = None,
+) -> CompiledStep:
+    """Compile `fn` (a function or module) as one graph with Inductor and the passes.
+
+    Args:
+        fn: the step; it must trace without graph breaks (fullgraph=True).
+        name: what logs call the step.
+        dynamic: compile for symbolic shapes (True) or specialise on the first shapes seen.
+        manager: the pass manager (a fresh `PassManager()` with specrun's passes by default);
+            its `stats` count the matches of every graph this step compiles.
+        recompile_limit: compiled graphs allowed per step before a call raises.
+        options: extra Inductor options (on top of `triton.cudagraphs=False`).
+    """
+    return CompiledStep(
+        fn,
+        name=name,
+        dynamic=dynamic,
+        manager=PassManager() if manager is None else manager,
+        recompile_limit=recompile_limit,
+        options=options or {},
+    )
+
+
+def compile_prefill(forward: Callable[..., Any], **kwargs: Any) -> CompiledStep:
+    """A prompt forward: shapes dynamic (prompt lengths vary)."""
+    return compile_step(forward, name="prefill", dynamic=True, **kwargs)
+
+
+def compile_verify(forward: Callable[..., Any], **kwargs: Any) -> CompiledStep:
+    """A tree-verification forward of the target: static shapes per (batch, tree) bucket."""
+    return compile_step(forward, name="verify", **kwargs)
+
+
+def compile_draft(forward: Callable[..., Any], **kwargs: Any) -> CompiledStep:
+    """A draft-head forward: static shapes."""
+    return compile_step(forward, name="draft", **kwargs)
+
+
+def compile_round(round_fn: Callable[..., Any], **kwargs: Any) -> CompiledStep:
+    """A whole speculative round (draft, verify, accept, commit): static shapes."""
+    return compile_step(round_fn, name="round", **kwargs)

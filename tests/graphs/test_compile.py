@@ -1,0 +1,82 @@
+"""compile_step on the whole speculative round, and its recompilation bound.
+
+The round (draft extend, tree expansion with side buffers, verify, accept, commit) compiles
+with Inductor as one graph (fullgraph=True); the tree-attention pass fuses every attention of
+the draft and the target; two compiled rounds equal two eager rounds exactly (float64, greedy)
+and the second round reuses the first round's graph. A step that keeps recompiling raises.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specrun.runtime.config import SamplingParams
+from specrun.runtime.graphs import compile_round, compile_step
+from specrun.runtime.requests import check_requests
+from specrun.runtime.round import speculative_round
+from specrun.runtime.speculative import prefill
+from specrun.runtime.tree import TreeShape
+from tiny_models import TargetAsDraft, random_llama, tiny_config
+
+
+def _state(target, head, shape):
+    prompts, params = check_requests(
+        [[1, 2, 3], [4, 5], [6, 7, 8, 9]],
+        SamplingParams(max_new_tokens=12, temperature=0.0),
+        vocab_size=target.config.vocab_size,
+    )
+    return prefill(target, head, prompts, params, [11], shape=shape)
+
+
+def _assert_same_state(got, want, **tolerance):
+    for name in ("output", "num_output", "root", "done", "finish", "num_accepted"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for cache in ("target", "draft"):
+        got_cache, want_cache = getattr(got, cache), getattr(want, cache)
+        assert torch.equal(got_cache.lengths, want_cache.lengths), cache
+        torch.testing.assert_close(got_cache.k, want_cache.k, **tolerance)
+        torch.testing.assert_close(got_cache.v, want_cache.v, **tolerance)
+
+
+def test_round_compiles_once_fuses_every_attention_and_matches_eager():
+    """The target drafts for itself (TargetAsDraft), so rounds accept draft tokens and commit
+    several K/V entries per slot: every path of the round runs."""
+    _check_compiled_rounds(random_llama(tiny_config(), dtype=torch.float64))
+
+
+@pytest.mark.gpu
+def test_gpu_round_compiles_with_the_triton_op_and_matches_eager():
+    """float32 on CUDA: the fused op is the Triton kernel (head dim 16, as it requires)."""
+    target = random_llama(tiny_config(head_dim=16), dtype=torch.float32).cuda()
+    _check_compiled_rounds(target, atol=1e-4, rtol=1e-4)
+
+
+def _check_compiled_rounds(target, **tolerance):
+    head = TargetAsDraft(target)
+    shape = TreeShape(2, 2, 4)
+    eager = _state(target, head, shape)
+    compiled = copy.deepcopy(eager)
+    step = compile_round(speculative_round)
+    for round_index in range(2):
+        with torch._dynamo.config.patch(error_on_recompile=round_index > 0):
+            got = step(target, head, compiled, shape)
+        want = speculative_round(target, head, eager, shape)
+        assert torch.equal(got, want)
+        _assert_same_state(compiled, eager, **tolerance)
+    assert step.num_compiles == 1
+    assert (eager.num_accepted > 0).all()
+    # The draft head attends once per layer at extend and at each of depth - 1 expansions.
+    num_attention = head.num_layers * shape.depth + target.config.num_layers
+    assert step.manager.stats["tree_attention"] == num_attention
+
+
+def test_recompiles_are_bounded_and_config_is_left_alone():
+    step = compile_step(lambda x: x * 2, name="double", recompile_limit=1)
+    assert torch.equal(step(torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        step(torch.ones(3))
+    assert step.num_compiles == 1
+    assert torch._inductor.config.post_grad_custom_post_pass is None
