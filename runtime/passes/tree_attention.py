@@ -57,6 +57,7 @@ _WHERES = (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.
 # What SDPA writes for a False entry of a bool mask: -inf, or on the cuDNN path (torch 2.10,
 # 2.11: convert_boolean_attn_mask_cudnn) the finite stand-in -65504 (fp16's lowest), which
 # masks the same way unless a row's scores span ~65504, so the bool-mask source is exact.
+# The constant is stored in the bias dtype: in bf16, -65504 rounds to -65536 (seen on an H100).
 _MASKED_VALUES = (float("-inf"), -65504.0)
 
 
@@ -144,18 +145,21 @@ def _visible_where_zero(bias: fx.Node) -> fx.Node | None:
     if not is_call(bias, *_WHERES):
         return None
     cond, if_true, if_false = bias.args
-    if is_fill(if_true, 0.0) and _is_masked_value(if_false):
+    dtype = getattr(tensor_val(bias), "dtype", torch.float32)
+    if is_fill(if_true, 0.0) and _is_masked_value(if_false, dtype):
         return cond
     inverted = is_call(cond, aten.logical_not.default) or (
         is_call(cond, aten.bitwise_not.default) and tensor_val(cond).dtype == torch.bool
     )
-    if inverted and _is_masked_value(if_true) and is_fill(if_false, 0.0):
+    if inverted and _is_masked_value(if_true, dtype) and is_fill(if_false, 0.0):
         return cond.args[0]
     return None
 
 
-def _is_masked_value(arg: Any) -> bool:
-    return any(is_fill(arg, value) for value in _MASKED_VALUES)
+def _is_masked_value(arg: Any, dtype: torch.dtype) -> bool:
+    """A fill equal to -inf or the cuDNN stand-in, as represented in `dtype`."""
+    candidates = {float(torch.tensor(value, dtype=dtype)) for value in _MASKED_VALUES}
+    return any(is_fill(arg, value) for value in candidates | set(_MASKED_VALUES))
 
 
 def _match_prefix_mask(node: fx.Node) -> tuple[fx.Node, Any] | None:

@@ -177,6 +177,16 @@ def _cudnn_lowering(q, k, v, mask):
     return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False, scale=0.3)
 
 
+def _cudnn_bf16_lowering(q, k, v, mask):
+    """The cuDNN lowering as Inductor constant-folds it in bf16: -65504 stored as -65536."""
+    bias = torch.where(
+        mask.logical_not(),
+        torch.full((), -65536.0, dtype=q.dtype),
+        torch.scalar_tensor(0.0, dtype=q.dtype),
+    )
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False, scale=0.3)
+
+
 def _cuda_lowering(fused_attention):
     """The reference with SDPA replaced by what CUDA's dispatcher writes for a fused kernel."""
 
@@ -193,20 +203,24 @@ def _cuda_lowering(fused_attention):
 
 
 @pytest.mark.parametrize(
-    ("lowering", "num_kv_heads"),
-    [(_efficient_lowering, 4), (_cudnn_lowering, 2)],
-    ids=["efficient", "cudnn"],
+    ("lowering", "num_kv_heads", "dtype"),
+    [
+        (_efficient_lowering, 4, torch.float32),
+        (_cudnn_lowering, 2, torch.float32),
+        (_cudnn_bf16_lowering, 2, torch.bfloat16),
+    ],
+    ids=["efficient", "cudnn", "cudnn-bf16"],
 )
-def test_fuses_the_cuda_fused_lowerings(lowering, num_kv_heads):
+def test_fuses_the_cuda_fused_lowerings(lowering, num_kv_heads, dtype):
     """Traced on fake CPU tensors (no CUDA needed); after the pass the graph runs on the CPU."""
     torch.manual_seed(0)
     args = (
-        torch.randn(2, 4, 3, 8),
-        torch.randn(2, num_kv_heads, 10, 8),
-        torch.randn(2, num_kv_heads, 10, 8),
+        torch.randn(2, 4, 3, 8, dtype=dtype),
+        torch.randn(2, num_kv_heads, 10, 8, dtype=dtype),
+        torch.randn(2, num_kv_heads, 10, 8, dtype=dtype),
         torch.tensor([4, 6]),
-        torch.randn(2, num_kv_heads, 3, 8),
-        torch.randn(2, num_kv_heads, 3, 8),
+        torch.randn(2, num_kv_heads, 3, 8, dtype=dtype),
+        torch.randn(2, num_kv_heads, 3, 8, dtype=dtype),
         _tree_anc(2, [0, 0, 1]),
     )
     graph_module = make_fx(
@@ -218,7 +232,8 @@ def test_fuses_the_cuda_fused_lowerings(lowering, num_kv_heads):
     graph_module.recompile()
     assert not any("scaled_dot_product" in str(node.target) for node in graph_module.graph.nodes)
     want = model_tree_attention(*args, scale=0.3)
-    torch.testing.assert_close(graph_module(*args), want, atol=1e-5, rtol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(graph_module(*args), want, atol=tolerance, rtol=tolerance)
 
 
 def _near_miss(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc):
