@@ -18,6 +18,19 @@ def smollm_dir(tmp_path_factory):
 
 
 @pytest.fixture
+def uncached_compiles():
+    """Fresh Dynamo state and no FX-graph / AOTAutograd cache hits, so passes run and count."""
+    torch._dynamo.reset()
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch.no_grad(),
+    ):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def tiny_llama() -> Llama:
     return random_llama(tiny_config(), dtype=torch.float64)
 

@@ -21,6 +21,9 @@ from specrun.runtime.speculative import prefill
 from specrun.runtime.tree import TreeShape
 from tiny_models import TargetAsDraft, random_llama, tiny_config
 
+# Every compile must really run: cached graphs would skip the passes.
+pytestmark = pytest.mark.usefixtures("uncached_compiles")
+
 
 def _state(target, head, shape):
     prompts, params = check_requests(

@@ -28,6 +28,9 @@ from specrun.runtime.passes import GraphPass, PassManager
 from specrun.runtime.passes.tree_attention import TreeAttentionFusion
 from tiny_models import random_head, random_llama, tiny_config
 
+# Every compile must really run: cached graphs would skip the passes.
+pytestmark = pytest.mark.usefixtures("uncached_compiles")
+
 # Parent of each node of a 6-node tree (node 0 = root): two branches of depth 2 and 3.
 TREE_PARENTS = [0, 0, 0, 1, 2, 3]
 
