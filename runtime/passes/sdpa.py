@@ -20,6 +20,7 @@ dtypes), so a look-alike that computes something else is not an attention call.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -257,19 +258,35 @@ def _softmax_input(probs: fx.Node) -> fx.Node | None:
 
 
 def _decomposed_softmax_input(probs: fx.Node) -> fx.Node | None:
-    """x for div(exp(sub(x, amax(x, -1))), sum(exp(...), -1))."""
+    """x for div(exp(sub(x, amax(x, -1))), sum(exp(...), -1)), or the online form Inductor
+    writes on CUDA: (max, sum) = prepare_softmax_online(x, -1); div(exp(sub(x, max)), sum)."""
     if not is_call(probs, aten.div.Tensor):
         return None
     exp, total = probs.args
     if not is_call(exp, aten.exp.default) or not is_call(exp.args[0], aten.sub.Tensor):
         return None
     logits, row_max = exp.args[0].args
+    online = _online_softmax_stats(row_max, total)
+    if online is not None:
+        return logits if online is logits else None
     return (
         logits
         if _is_last_dim_reduction(row_max, aten.amax.default, logits)
         and _is_last_dim_reduction(total, aten.sum.dim_IntList, exp)
         else None
     )
+
+
+def _online_softmax_stats(row_max: fx.Node, total: fx.Node) -> fx.Node | None:
+    """x when row_max, total = getitem(prepare_softmax_online(x, -1), 0 / 1)."""
+    if not (is_call(row_max, operator.getitem) and is_call(total, operator.getitem)):
+        return None
+    stats = row_max.args[0]
+    if total.args[0] is not stats or (row_max.args[1], total.args[1]) != (0, 1):
+        return None
+    if not is_call(stats, prims.prepare_softmax_online.default) or not is_dim(stats.args[1], -1, 4):
+        return None
+    return stats.args[0]
 
 
 def _is_last_dim_reduction(node: fx.Node, target: object, source: fx.Node) -> bool:

@@ -10,6 +10,7 @@ attention or a near-miss of the tree mask is left alone. GPU tier: bf16 on CUDA,
 from __future__ import annotations
 
 import math
+import operator
 
 import pytest
 import torch
@@ -318,3 +319,24 @@ def test_gpu_bf16_verify_fuses_and_matches_eager(num_kv_heads):
     assert manager.stats["tree_attention"] == config.num_layers, (forms, ops)
     _assert_mask_gone(census)
     _assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_recognises_the_online_softmax_form():
+    """Inductor on CUDA rewrites softmax as prepare_softmax_online (seen on an H100, fp32 GQA
+    math lowering); the math matcher must still find the logits."""
+    import torch._inductor.compile_fx  # registers prims.prepare_softmax_online
+
+    from specrun.runtime.passes.sdpa import _decomposed_softmax_input
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+    graph = torch.fx.Graph()
+    logits = graph.placeholder("logits")
+    stats = graph.call_function(prims.prepare_softmax_online.default, (logits, -1))
+    row_max = graph.call_function(operator.getitem, (stats, 0))
+    total = graph.call_function(operator.getitem, (stats, 1))
+    shifted = graph.call_function(aten.sub.Tensor, (logits, row_max))
+    exp = graph.call_function(aten.exp.default, (shifted,))
+    probs = graph.call_function(aten.div.Tensor, (exp, total))
+    assert _decomposed_softmax_input(probs) is logits
+    swapped = graph.call_function(aten.div.Tensor, (exp, row_max))
+    assert _decomposed_softmax_input(swapped) is None
