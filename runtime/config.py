@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -16,6 +18,21 @@ from .tree import StaticTree, TreeShape
 
 # The batch-1 tree of the published EAGLE-3 Llama-3.1-8B results.
 DEFAULT_TREE = TreeShape(depth=7, topk=10, num_nodes=60)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Per batch bucket, the tree of the largest key not above it: deep and wide where the target
+# forward is memory-bound and verifying 60 nodes costs about as much as 1, shallower and
+# narrower as the batch makes verification compute-bound (see BENCHMARKS.md).
+DEFAULT_TREES: Mapping[int, TreeShape | StaticTree | None] = MappingProxyType(
+    {
+        1: DEFAULT_TREE,
+        2: TreeShape(depth=6, topk=8, num_nodes=48),
+        4: TreeShape(depth=6, topk=8, num_nodes=32),
+        8: TreeShape(depth=5, topk=8, num_nodes=24),
+        16: TreeShape(depth=4, topk=6, num_nodes=16),
+        32: TreeShape(depth=3, topk=4, num_nodes=8),
+        64: TreeShape(depth=2, topk=2, num_nodes=4),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -110,20 +127,31 @@ class EngineConfig:
     device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
     dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
     chat_template: wrap string prompts in the model's chat template as a user message.
-    tree: the draft tree used with a draft head: a dynamic TreeShape (depth D, top-k K,
-        nodes N) or a StaticTree (fixed paths of child ranks).
+    buckets: the batch sizes decoding is compiled and captured for; a batch pads up to the
+        next bucket.
+    trees: bucket -> draft tree used with a draft head (a dynamic TreeShape or a StaticTree;
+        None = plain decoding at that bucket). A bucket takes the tree of the largest key not
+        above it, so `{1: TreeShape(4, 4, 16)}` uses one tree everywhere.
+    max_seq_len: KV positions per slot: prompt + max_new_tokens + 2 * (tree depth + 1) must
+        fit.
+    compile: compile prefill and rounds with Inductor and specrun's passes (None: on CUDA).
+    cuda_graphs: replay each bucket's round as one CUDA graph (None: on CUDA; needs CUDA).
+    queue: run batches larger than the largest bucket in chunks (False: refuse them).
     """
 
     device: str = "auto"
     dtype: str = "auto"
     chat_template: bool = True
-    tree: TreeShape | StaticTree = dataclasses.field(default_factory=lambda: DEFAULT_TREE)
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    trees: Mapping[int, TreeShape | StaticTree | None] = dataclasses.field(
+        default_factory=lambda: DEFAULT_TREES
+    )
+    max_seq_len: int = 2048
+    compile: bool | None = None
+    cuda_graphs: bool | None = None
+    queue: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tree, (TreeShape, StaticTree)):
-            raise TypeError(
-                f"tree must be a TreeShape or StaticTree, got {type(self.tree).__name__}"
-            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
@@ -133,6 +161,25 @@ class EngineConfig:
                 torch.device(self.device)
             except RuntimeError as e:
                 raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+        object.__setattr__(self, "buckets", _checked_buckets(self.buckets))
+        object.__setattr__(self, "trees", _checked_trees(self.trees, self.buckets))
+        _check_int("max_seq_len", self.max_seq_len)
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
+
+    def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
+        """The draft tree of a batch bucket (None: plain decoding)."""
+        return self.trees[max(k for k in self.trees if k <= bucket)]
+
+    def bucket_for(self, batch_size: int) -> int:
+        """The smallest bucket that holds `batch_size` slots."""
+        for bucket in self.buckets:
+            if bucket >= batch_size:
+                return bucket
+        raise ValueError(
+            f"a batch of {batch_size} is larger than the largest bucket {self.buckets[-1]}; "
+            "add a bucket (EngineConfig(buckets=...)) or enable queue=True"
+        )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -146,3 +193,45 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    def resolved_compile(self) -> bool:
+        return self.resolved_device().type == "cuda" if self.compile is None else self.compile
+
+    def resolved_cuda_graphs(self) -> bool:
+        on_cuda = self.resolved_device().type == "cuda"
+        if self.cuda_graphs and not on_cuda:
+            raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs=False on CPU")
+        return on_cuda if self.cuda_graphs is None else self.cuda_graphs
+
+
+def _checked_buckets(buckets: object) -> tuple[int, ...]:
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+        raise TypeError(f"buckets must be a sequence of batch sizes, got {buckets!r}")
+    buckets = tuple(buckets)
+    for bucket in buckets:
+        _check_int("bucket", bucket)
+    if not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets)):
+        raise ValueError(f"buckets must be increasing positive batch sizes, got {buckets}")
+    return buckets
+
+
+def _checked_trees(
+    trees: object, buckets: tuple[int, ...]
+) -> Mapping[int, TreeShape | StaticTree | None]:
+    if not isinstance(trees, Mapping) or not trees:
+        raise TypeError(
+            "trees must be a non-empty mapping bucket -> TreeShape | StaticTree | None, "
+            f"got {type(trees).__name__}"
+        )
+    for key, tree in trees.items():
+        _check_int("trees key", key)
+        if tree is not None and not isinstance(tree, (TreeShape, StaticTree)):
+            raise TypeError(
+                f"trees[{key}] must be a TreeShape, StaticTree or None, got {type(tree).__name__}"
+            )
+    if min(trees) > buckets[0]:
+        raise ValueError(
+            f"trees has no entry for bucket {buckets[0]}: its smallest key is {min(trees)}; "
+            f"add trees[{buckets[0]}]"
+        )
+    return MappingProxyType(dict(sorted(trees.items())))

@@ -1,10 +1,10 @@
-"""The Engine: load a model (and a draft head), turn requests into token ids, decode, turn ids
-back into text.
+"""The Engine: load a model (and a draft head), turn requests into token ids, decode them with
+the per-bucket compiled (and on CUDA graph-captured) decoder, turn ids back into text.
 
-With a draft head, decoding is speculative (`runtime/speculative.py`, eager rounds for now; the
-CUDA-graph runner of issue #5 will replay the same round); without one it is plain
-autoregressive decoding (`runtime/reference.py`). Request validation and outputs are the
-public contract both paths keep.
+With a draft head, buckets that have a draft tree decode speculatively; the others, and every
+bucket without a head, decode plainly. Every request is validated here, before any state is
+touched, so a bad request is refused with a ValueError/TypeError that says what to change and
+never disturbs another.
 """
 
 from __future__ import annotations
@@ -24,31 +24,32 @@ from ..models.llama import Llama
 from ..models.loading import load_draft, load_target
 from ..models.tokenizer import Tokenizer
 from .config import EngineConfig, SamplingParams, validate_prompt_ids
-from .reference import reference_stream
-from .speculative import RequestStats, SpecStats, speculative_stream
+from .decoder import BucketWarmup, Decoder, Step
+from .requests import check_requests
+from .stats import DecodeStats, RequestStats
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
-Step = list[tuple[list[int], str | None]]
 
 
 @dataclass
 class Output:
-    """One finished request: text, generated ids (a final stop token included), why it ended,
-    and, for speculative decoding, its rounds and accepted tokens."""
+    """One finished request: text, generated ids (a final stop token included), why it ended
+    ("stop" or "length"), the wall seconds of its batch, and its rounds and accepted tokens."""
 
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
     finish_reason: str
     seconds: float
-    stats: RequestStats | None = None
+    stats: RequestStats
 
 
 @dataclass
 class EngineStats:
-    """Totals since the engine was built (decode time includes the prefill)."""
+    """Totals since the engine was built. decode_seconds is wall time (prefill included);
+    prefill_seconds and round_seconds are GPU time on CUDA."""
 
     num_requests: int = 0
     num_generated_tokens: int = 0
@@ -56,8 +57,7 @@ class EngineStats:
     num_rounds: int = 0
     accepted_histogram: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    round_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -65,8 +65,8 @@ class EngineStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens per slot-round under speculation (0 without a draft head)."""
-        return SpecStats(accepted_histogram=self.accepted_histogram).mean_accepted_length
+        """Tokens per slot-round (1.0 for plain decoding)."""
+        return DecodeStats(accepted_histogram=self.accepted_histogram).mean_accepted_length
 
 
 class Engine:
@@ -84,6 +84,7 @@ class Engine:
         self.head = head
         self.tokenizer = tokenizer
         self.config = config
+        self.decoder = Decoder(model, head, config, eos_token_ids=tokenizer.eos_token_ids)
         self._stats = EngineStats()
 
     @classmethod
@@ -104,6 +105,11 @@ class Engine:
         head = load_draft(draft, target=model) if draft is not None else None
         logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - started)
         return cls(model, Tokenizer.from_dir(model_dir), config, head=head)
+
+    def warmup(self, *, progress: bool = True) -> dict[int, BucketWarmup]:
+        """Compile and (on CUDA) capture every bucket, largest first; idempotent. Returns what
+        each bucket cost. Without it, a bucket is prepared the first time it is used."""
+        return self.decoder.warmup(progress=progress)
 
     def stats(self) -> EngineStats:
         """A snapshot of the running totals."""
@@ -132,27 +138,85 @@ class Engine:
         return ids
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Output]:
-        """Decode a batch of prompts (strings or token-id lists) to completion."""
-        params = params or SamplingParams()
+        """Decode prompts (strings or token-id lists; one or a list) to completion, with one
+        SamplingParams for all or one per prompt. Batches above the largest bucket run in
+        chunks when the config queues them."""
+        encoded, params = self._requests(prompts, params)
+        max_bucket = self.config.buckets[-1]
+        outputs: list[Output] = []
+        for start in range(0, len(encoded), max_bucket):
+            chunk = slice(start, start + max_bucket)
+            outputs.extend(self._generate_batch(encoded[chunk], params[chunk]))
+        return outputs
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one request as tokens are decoded."""
+        [ids], [params] = self._requests([prompt], params)
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
+        num_tokens, started = 0, time.perf_counter()
+        stats = DecodeStats()
+        with torch.inference_mode():
+            for [(tokens, _reason)] in self.decoder.stream([ids], [params], stats=stats):
+                num_tokens += len(tokens)
+                delta = decoder.extend(tokens)
+                if delta:
+                    yield delta
+        self._record(num_tokens, time.perf_counter() - started, stats)
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+    def close(self) -> None:
+        """Release graphs, caches and the models' memory."""
+        self.decoder.close()
+        self.model = None
+        self.head = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _requests(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Encode and validate every request before anything runs."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if isinstance(prompts, (str, bytes)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
         encoded = [self.encode_prompt(p, index=i) for i, p in enumerate(prompts)]
+        encoded, params = check_requests(
+            encoded, params or SamplingParams(), vocab_size=self.model.config.vocab_size
+        )
+        max_bucket = self.config.buckets[-1]
+        if len(encoded) > max_bucket and not self.config.queue:
+            raise ValueError(
+                f"{len(encoded)} prompts is more than the largest bucket ({max_bucket}) and "
+                "queueing is off; send fewer prompts or use EngineConfig(queue=True)"
+            )
+        for start in range(0, len(encoded), max_bucket):
+            chunk = slice(start, start + max_bucket)
+            self.decoder.check_fits(encoded[chunk], params[chunk])
+        return encoded, params
+
+    def _generate_batch(
+        self, encoded: list[list[int]], params: list[SamplingParams]
+    ) -> list[Output]:
         token_ids: list[list[int]] = [[] for _ in encoded]
         finish = ["length"] * len(encoded)
         started = time.perf_counter()
-        spec_stats = SpecStats()
+        stats = DecodeStats()
         with torch.inference_mode():
-            for step in self._steps(encoded, params, spec_stats):
-                for slot, (tokens, reason) in enumerate(step):
-                    token_ids[slot].extend(tokens)
-                    finish[slot] = reason or finish[slot]
+            for step in self.decoder.stream(encoded, params, stats=stats):
+                _extend(token_ids, finish, step)
         seconds = time.perf_counter() - started
-        self._record(len(encoded), sum(map(len, token_ids)), seconds, spec_stats)
-        per_request = spec_stats.per_request or [None] * len(encoded)
+        self._record(sum(map(len, token_ids)), seconds, stats)
         return [
             Output(
                 text=self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -163,70 +227,25 @@ class Engine:
                 stats=request_stats,
             )
             for prompt, ids, reason, request_stats in zip(
-                encoded, token_ids, finish, per_request, strict=True
+                encoded, token_ids, finish, stats.per_request, strict=True
             )
         ]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one request as tokens are decoded."""
-        params = params or SamplingParams()
-        ids = self.encode_prompt(prompt)
-        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        num_tokens, started = 0, time.perf_counter()
-        spec_stats = SpecStats()
-        with torch.inference_mode():
-            for [(tokens, _reason)] in self._steps([ids], params, spec_stats):
-                num_tokens += len(tokens)
-                delta = decoder.extend(tokens)
-                if delta:
-                    yield delta
-        self._record(1, num_tokens, time.perf_counter() - started, spec_stats)
-        tail = decoder.flush()
-        if tail:
-            yield tail
-
-    def close(self) -> None:
-        """Release the models' memory."""
-        self.model = None
-        self.head = None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def _steps(
-        self, encoded: list[list[int]], params: SamplingParams, spec_stats: SpecStats
-    ) -> Iterator[Step]:
-        """(new tokens, finish reason) per slot, step by step, from the configured decoder."""
-        eos = self.tokenizer.eos_token_ids
-        if self.head is not None:
-            yield from speculative_stream(
-                self.model,
-                self.head,
-                encoded,
-                params,
-                shape=self.config.tree,
-                eos_token_ids=eos,
-                stats=spec_stats,
-            )
-            return
-        for step in reference_stream(self.model, encoded, params, eos_token_ids=eos):
-            yield [([] if token is None else [token], reason) for token, reason in step]
-
-    def _record(
-        self, num_requests: int, num_tokens: int, seconds: float, spec_stats: SpecStats
-    ) -> None:
+    def _record(self, num_tokens: int, seconds: float, stats: DecodeStats) -> None:
         totals = self._stats
-        totals.num_requests += num_requests
+        totals.num_requests += stats.num_requests
         totals.num_generated_tokens += num_tokens
         totals.decode_seconds += seconds
-        totals.num_rounds += spec_stats.num_rounds
-        totals.prefill_seconds += spec_stats.prefill_seconds
-        totals.draft_seconds += spec_stats.draft_seconds
-        totals.verify_seconds += spec_stats.verify_seconds
-        histogram = spec_stats.accepted_histogram
-        if histogram:
-            totals.accepted_histogram = [
-                a + b
-                for a, b in zip(
-                    totals.accepted_histogram or [0] * len(histogram), histogram, strict=True
-                )
-            ]
+        totals.num_rounds += stats.num_rounds
+        totals.prefill_seconds += stats.prefill_seconds
+        totals.round_seconds += stats.round_seconds
+        histogram = totals.accepted_histogram
+        histogram.extend([0] * (len(stats.accepted_histogram) - len(histogram)))
+        for depth, count in enumerate(stats.accepted_histogram):
+            histogram[depth] += count
+
+
+def _extend(token_ids: list[list[int]], finish: list[str], step: Step) -> None:
+    for slot, (tokens, reason) in enumerate(step):
+        token_ids[slot].extend(tokens)
+        finish[slot] = reason or finish[slot]

@@ -1,9 +1,14 @@
-"""One speculative round as a function of device tensors: draft, verify, accept, commit.
+"""One decoding round as a function of device tensors: the speculative round (draft, verify,
+accept, commit) and the plain autoregressive step.
 
-Everything a round needs lives in `SpecState` on the device; a round reads and updates it with
-static shapes, no host synchronisation and no Python branching on values, so the same code
-runs eagerly, under torch.compile and inside a CUDA graph. Slots are ragged (own lengths, own
+Everything a round needs lives in `SpecState` on the device. A round updates the state's
+tensors in place (never rebinding them), with static shapes, no host synchronisation and no
+Python branching on values, so the same code runs eagerly, under torch.compile and inside a
+CUDA graph that replays it over the same buffers. Slots are ragged (own lengths, own
 acceptance); finished slots keep running harmlessly: they commit nothing and emit nothing.
+
+A round returns its report, one small int64 tensor the host copies out once per round
+(see `ReportColumns`).
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.attention import chain_ancestors
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from .draft import PendingPairs, draft_static_tree, draft_tree
 from .kv_cache import KVCache
-from .sampling import SamplingTensors, target_probs
+from .sampling import SamplingTensors, sample, target_probs
 from .tree import StaticTree, Tree, TreeShape
 from .verify import Acceptance, accept, target_tokens
 
@@ -25,21 +31,22 @@ FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 
 @dataclass
 class SpecState:
-    """Per-slot decoding state, all on the device.
+    """Per-slot decoding state, all on the device, updated in place by every round.
 
-    target, draft: KV caches (target length = position of the root token).
+    target, draft: KV caches (target length = position of the root token); no draft cache
+        for plain decoding.
     root: [B] int64 pending token (sampled, not yet in the target cache).
-    pending: pairs the draft has not seen (the root paired with the last committed feature).
+    pending: pairs the draft has not seen (the root paired with the last committed feature);
+        None for plain decoding.
     output: [B, C] int64 generated tokens; num_output: [B] int64.
     max_new: [B] int64; stop_mask: [B, V] bool; done: [B] bool; finish: [B] int64 (FINISH_*).
     sampling: per-slot sampling parameters.
-    num_rounds, num_accepted: [B] int64 rounds a slot took part in, draft tokens it accepted.
     """
 
     target: KVCache
-    draft: KVCache
+    draft: KVCache | None
     root: torch.Tensor
-    pending: PendingPairs
+    pending: PendingPairs | None
     output: torch.Tensor
     num_output: torch.Tensor
     max_new: torch.Tensor
@@ -47,8 +54,22 @@ class SpecState:
     done: torch.Tensor
     finish: torch.Tensor
     sampling: SamplingTensors
-    num_rounds: torch.Tensor
-    num_accepted: torch.Tensor
+
+
+class ReportColumns:
+    """Columns of a round report [B, 4 + T] int64: how many tokens each slot emitted this
+    round, how many draft tokens it accepted, its done flag and finish code (FINISH_*), then
+    the T tokens it emitted (only the first `NUM_EMITTED` are meaningful)."""
+
+    NUM_EMITTED, NUM_ACCEPTED, DONE, FINISH, TOKENS = 0, 1, 2, 3, 4
+
+
+def round_report(
+    state: SpecState, tokens: torch.Tensor, num_emitted: torch.Tensor, num_accepted: torch.Tensor
+) -> torch.Tensor:
+    """Pack one round's outcome (tokens [B, T], counts [B]) as a [B, 4 + T] int64 report."""
+    columns = [num_emitted, num_accepted, state.done.long(), state.finish]
+    return torch.cat([torch.stack(columns, dim=1), tokens], dim=1)
 
 
 def speculative_round(
@@ -57,8 +78,8 @@ def speculative_round(
     state: SpecState,
     shape: TreeShape | StaticTree,
 ) -> torch.Tensor:
-    """Run one round in place. Returns num_accepted [B] int64 (draft tokens accepted; 0 for
-    slots that were already done). Samples from the default RNG of the state's device."""
+    """Run one round in place. Returns the round report [B, 4 + D + 1] int64 (ReportColumns;
+    slots already done report nothing). Samples from the default RNG of the state's device."""
     tree = draft_phase(head, state, shape)
     return verify_phase(target, head, state, tree, depth=shape.depth)
 
@@ -73,7 +94,7 @@ def draft_phase(head: DraftHead, state: SpecState, shape: TreeShape | StaticTree
 def verify_phase(
     target: Llama, head: DraftHead, state: SpecState, tree: Tree, *, depth: int
 ) -> torch.Tensor:
-    """Target forward over the tree, acceptance and commit. Returns num_accepted [B]."""
+    """Target forward over the tree, acceptance and commit. Returns the round report."""
     out = target(
         tree.tokens,
         state.target.lengths[:, None] + tree.depth,
@@ -84,18 +105,31 @@ def verify_phase(
     was_done = state.done.clone()
     _commit_target(state, out.k_new, out.v_new, acceptance, was_done)
     emitted = _emitted_tokens(tree, acceptance)
-    emit(state, emitted, acceptance.num_accepted + 1, was_done)
+    num_emitted = emit(state, emitted, acceptance.num_accepted + 1, was_done)
     features = head.target_features(out)
-    state.pending = PendingPairs(
-        tokens=emitted,
-        features=_gather_nodes(features, acceptance.path),
-        num_valid=torch.where(was_done, 0, acceptance.num_accepted + 1),
-    )
-    state.root = acceptance.bonus
+    state.pending.tokens.copy_(emitted)
+    state.pending.features.copy_(_gather_nodes(features, acceptance.path))
+    state.pending.num_valid.copy_(torch.where(was_done, 0, acceptance.num_accepted + 1))
+    state.root.copy_(acceptance.bonus)
     num_accepted = torch.where(was_done, 0, acceptance.num_accepted)
-    state.num_rounds += (~was_done).long()
-    state.num_accepted += num_accepted
-    return num_accepted
+    return round_report(state, emitted, num_emitted, num_accepted)
+
+
+def decode_round(target: Llama, state: SpecState) -> torch.Tensor:
+    """One plain autoregressive step in place: the root enters the cache, the next token is
+    sampled and emitted. Returns the round report [B, 5] int64 (ReportColumns)."""
+    batch = state.root.shape[0]
+    out = target(
+        state.root[:, None],
+        state.target.lengths[:, None],
+        state.target.attention_inputs(chain_ancestors(batch, 1, state.root.device)),
+    )
+    was_done = state.done.clone()
+    state.target.append(out.k_new, out.v_new, (~was_done).long())
+    token = sample(target_probs(target.logits(out.hidden[:, 0]), state.sampling))
+    num_emitted = emit(state, token[:, None], torch.ones_like(token), was_done)
+    state.root.copy_(token)
+    return round_report(state, token[:, None], num_emitted, torch.zeros_like(token))
 
 
 def _commit_target(
@@ -124,9 +158,9 @@ def _emitted_tokens(tree: Tree, acceptance: Acceptance) -> torch.Tensor:
 
 def emit(
     state: SpecState, tokens: torch.Tensor, num_tokens: torch.Tensor, was_done: torch.Tensor
-) -> None:
+) -> torch.Tensor:
     """Append up to num_tokens [B] of tokens [B, T] per slot, cut at a stop token or the
-    max_new limit, and mark finished slots."""
+    max_new limit, and mark finished slots. Returns the number kept per slot [B] int64."""
     step = torch.arange(tokens.shape[1], device=tokens.device)
     is_stop = state.stop_mask.gather(1, tokens) & (step < num_tokens[:, None])
     has_stop = is_stop.any(dim=-1)
@@ -138,8 +172,11 @@ def emit(
     state.num_output += num_kept
     stopped = ~was_done & has_stop & (through_stop <= room)
     full = ~was_done & ~stopped & (state.num_output >= state.max_new)
-    state.finish = torch.where(stopped, FINISH_STOP, torch.where(full, FINISH_LENGTH, state.finish))
-    state.done = state.done | stopped | full
+    state.finish.copy_(
+        torch.where(stopped, FINISH_STOP, torch.where(full, FINISH_LENGTH, state.finish))
+    )
+    state.done |= stopped | full
+    return num_kept
 
 
 def _gather_nodes(x: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:

@@ -117,3 +117,17 @@ def prompt_logits(model: Llama, ids: list[int]) -> torch.Tensor:
     positions = torch.arange(length, device=weight.device)[None]
     with torch.no_grad():
         return model.logits(model(tokens, positions, attn).hidden)[0]
+
+
+def prefilled_state(target, head, shape, prompts, params, *, eos_token_ids=(11,)):
+    """A SpecState for `prompts` (token-id lists), allocated just large enough and prefilled.
+    Returns (state, prefill report)."""
+    from specrun.runtime.prefill import allocate_state, prefill, state_capacity
+    from specrun.runtime.requests import check_requests
+
+    prompts, params = check_requests(prompts, params, vocab_size=target.config.vocab_size)
+    depth = 0 if shape is None else shape.depth
+    capacity = max(state_capacity(len(p), q.max_new_tokens, depth) for p, q in zip(prompts, params))
+    state = allocate_state(target, head, batch_size=len(prompts), capacity=capacity, depth=depth)
+    report = prefill(target, head, state, prompts, params, eos_token_ids)
+    return state, report

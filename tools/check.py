@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
-    config = EngineConfig(device=args.device, dtype=args.dtype, tree=tree_shape(args))
+    config = EngineConfig(device=args.device, dtype=args.dtype, trees={1: tree_shape(args)})
     spec = Engine.from_pretrained(args.model, draft=args.draft, config=config)
     plain = Engine(spec.model, spec.tokenizer, config)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)

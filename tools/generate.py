@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..runtime.config import DEFAULT_TREE, EngineConfig, SamplingParams
+from collections.abc import Mapping
+
+from ..runtime.config import DEFAULT_TREE, DEFAULT_TREES, EngineConfig, SamplingParams
 from ..runtime.engine import Engine
 from ..runtime.tree import TreeShape
 
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     config = EngineConfig(
-        device=args.device, dtype=args.dtype, chat_template=not args.raw, tree=tree_shape(args)
+        device=args.device, dtype=args.dtype, chat_template=not args.raw, trees=tree_table(args)
     )
     engine = Engine.from_pretrained(args.model, draft=args.draft, config=config)
     for delta in engine.stream(args.prompt, params):
@@ -47,12 +49,9 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     stats = engine.stats()
     accepted = ""
-    if args.draft:
-        round_seconds = max(stats.draft_seconds + stats.verify_seconds, 1e-9)
+    if engine.head is not None:
         accepted = (
-            f", {stats.mean_accepted_length:.2f} tokens/round over {stats.num_rounds} rounds, "
-            f"draft {stats.draft_seconds / round_seconds:.0%} / verify "
-            f"{stats.verify_seconds / round_seconds:.0%} of round time"
+            f", {stats.mean_accepted_length:.2f} tokens/round over {stats.num_rounds} rounds"
         )
     print(
         f"[{stats.num_generated_tokens} tokens in {stats.decode_seconds:.2f} s: "
@@ -64,13 +63,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
-    """--depth/--topk/--nodes: the draft-tree shape (D, K, N)."""
-    parser.add_argument("--depth", type=int, default=DEFAULT_TREE.depth, help="tree depth D")
-    parser.add_argument("--topk", type=int, default=DEFAULT_TREE.topk, help="frontier width K")
-    parser.add_argument(
-        "--nodes", type=int, default=DEFAULT_TREE.num_nodes, help="tree nodes N (root included)"
-    )
+    """--depth/--topk/--nodes: one draft-tree shape (D, K, N) for every batch size; unset
+    ones take the batch-1 default, and with none given each bucket uses its default tree."""
+    parser.add_argument("--depth", type=int, default=None, help="tree depth D")
+    parser.add_argument("--topk", type=int, default=None, help="frontier width K")
+    parser.add_argument("--nodes", type=int, default=None, help="tree nodes N (root included)")
 
 
 def tree_shape(args: argparse.Namespace) -> TreeShape:
-    return TreeShape(depth=args.depth, topk=args.topk, num_nodes=args.nodes)
+    """The tree the arguments ask for (the batch-1 default where unset)."""
+    return TreeShape(
+        depth=DEFAULT_TREE.depth if args.depth is None else args.depth,
+        topk=DEFAULT_TREE.topk if args.topk is None else args.topk,
+        num_nodes=DEFAULT_TREE.num_nodes if args.nodes is None else args.nodes,
+    )
+
+
+def tree_table(args: argparse.Namespace) -> Mapping[int, TreeShape | None]:
+    """EngineConfig.trees: the default table, or the asked-for tree at every bucket."""
+    if args.depth is None and args.topk is None and args.nodes is None:
+        return DEFAULT_TREES
+    return {1: tree_shape(args)}

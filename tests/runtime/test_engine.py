@@ -11,7 +11,13 @@ from specrun.models.loading import save_draft
 from specrun.runtime import Engine, EngineConfig, SamplingParams
 from specrun.runtime.tree import TreeShape
 
-CONFIG = EngineConfig(device="cpu", dtype="float32", tree=TreeShape(3, 3, 8))
+CONFIG = EngineConfig(
+    device="cpu",
+    dtype="float32",
+    buckets=(1, 2, 4),
+    trees={1: TreeShape(3, 3, 8)},
+    max_seq_len=512,
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +74,6 @@ def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int8")
     with pytest.raises(TypeError, match="TreeShape"):
-        EngineConfig(tree=(7, 10, 60))
+        EngineConfig(trees={1: (7, 10, 60)})
     with pytest.raises(ValueError, match="num_nodes"):
         TreeShape(depth=1, topk=2, num_nodes=9)

@@ -8,18 +8,14 @@ import pytest
 import torch
 
 from specrun.runtime.config import SamplingParams
-from specrun.runtime.requests import check_requests
 from specrun.runtime.round import speculative_round
-from specrun.runtime.speculative import prefill
 from specrun.runtime.tree import TreeShape
-from tiny_models import TargetAsDraft, random_head, random_llama, tiny_config
+from tiny_models import TargetAsDraft, prefilled_state, random_head, random_llama, tiny_config
 
 
 def _fresh_state(target, head, shape, params):
-    prompts, params = check_requests(
-        [[1, 2, 3], [4, 5], [6, 7, 8, 9]], params, vocab_size=target.config.vocab_size
-    )
-    return prefill(target, head, prompts, params, [11], shape=shape)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    return prefilled_state(target, head, shape, prompts, params)[0]
 
 
 @pytest.mark.parametrize(

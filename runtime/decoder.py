@@ -1,0 +1,340 @@
+"""The decoding loop: per-bucket state, rounds run eagerly, compiled or as CUDA graphs, and the
+host side that reads one small report per round without blocking inside a round.
+
+A batch pads up to its bucket (padding slots ask for no tokens and are done from the start),
+is prefilled into the bucket's static state and then decoded round by round: speculative
+rounds where the bucket has a draft tree, plain autoregressive steps where it has none (or
+there is no draft head). On CUDA the round's report is copied to pinned memory behind an
+event, and the next round is launched before the previous report is read, so the host is at
+most one round behind the GPU and never stalls it. Stop conditions are decided on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..models.eagle import DraftHead
+from ..models.llama import Llama
+from .config import EngineConfig, SamplingParams
+from .graphs import CudaGraphRunner, compile_prefill, compile_round, compile_step
+from .kv_cache import KVCache
+from .prefill import allocate_state, prefill, state_capacity
+from .requests import FINISH_LENGTH, FINISH_STOP, check_requests, seeded_rng
+from .round import FINISH_STOP as FINISH_STOP_CODE
+from .round import ReportColumns, SpecState, decode_round, speculative_round
+from .stats import DecodeStats, RequestStats
+from .tree import StaticTree, TreeShape
+
+logger = logging.getLogger(__name__)
+
+Step = list[tuple[list[int], str | None]]
+_PADDING = SamplingParams(max_new_tokens=0)
+
+
+@dataclass(frozen=True)
+class BucketWarmup:
+    """What preparing one bucket cost: seconds (compilation included) and graph pool bytes."""
+
+    bucket: int
+    seconds: float
+    pool_bytes: int
+
+
+class Decoder:
+    """Decodes batches of token-id prompts with one target and an optional draft head.
+
+    Args:
+        target: the target model (on its device, in its dtype).
+        head: the draft head, or None for plain decoding at every bucket.
+        config: buckets, tree table, max_seq_len, compile and CUDA-graph choices.
+        eos_token_ids: the model's end-of-sequence ids.
+    """
+
+    def __init__(
+        self,
+        target: Llama,
+        head: DraftHead | None,
+        config: EngineConfig,
+        *,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.target = target
+        self.head = head
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = target.lm_head.weight.device
+        self.use_graphs = config.resolved_cuda_graphs()
+        self._compiled = config.resolved_compile()
+        self._round, self._decode = speculative_round, decode_round
+        self._prefill_target = self._prefill_draft = None
+        if self._compiled:
+            num_graphs = len(config.buckets) + 1
+            self._round = compile_round(speculative_round, recompile_limit=num_graphs)
+            self._decode = compile_step(decode_round, name="decode", recompile_limit=num_graphs)
+            self._prefill_target = compile_prefill(target)
+            self._prefill_draft = compile_prefill(head) if head is not None else None
+        self._runner = CudaGraphRunner(self.device) if self.use_graphs else None
+        self._stores: tuple[KVCache, KVCache | None] | None = None
+        self._states: dict[int, SpecState] = {}
+        self.warmups: dict[int, BucketWarmup] = {}
+
+    def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
+        """The bucket's draft tree (None: plain decoding)."""
+        return None if self.head is None else self.config.tree_for(bucket)
+
+    def depth_for(self, bucket: int) -> int:
+        tree = self.tree_for(bucket)
+        return 0 if tree is None else tree.depth
+
+    def check_fits(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]):
+        """Refuse requests whose prompt + max_new_tokens exceed the slot capacity."""
+        depth = self.depth_for(self.config.bucket_for(len(prompts)))
+        for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            needed = state_capacity(len(prompt), p.max_new_tokens, depth)
+            if needed > self.config.max_seq_len:
+                raise ValueError(
+                    f"prompt {index} ({len(prompt)} tokens) with max_new_tokens="
+                    f"{p.max_new_tokens} needs {needed} KV positions (tree depth {depth}), "
+                    f"more than max_seq_len={self.config.max_seq_len}; lower max_new_tokens "
+                    "or raise EngineConfig(max_seq_len=...)"
+                )
+
+    def warmup(self, *, progress: bool = False) -> dict[int, BucketWarmup]:
+        """Compile (and on CUDA capture) every bucket, largest first. Idempotent."""
+        todo = [b for b in reversed(self.config.buckets) if b not in self.warmups]
+        for bucket in tqdm(todo, desc="warm-up", unit="bucket", disable=not progress):
+            started = time.perf_counter()
+            self._prefill_for_warmup(bucket)
+            pool_bytes = self._prepare_round(bucket)
+            self.warmups[bucket] = BucketWarmup(bucket, time.perf_counter() - started, pool_bytes)
+            logger.info("bucket %d ready in %.1f s", bucket, self.warmups[bucket].seconds)
+        return dict(self.warmups)
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        *,
+        stats: DecodeStats | None = None,
+    ) -> Iterator[Step]:
+        """Yield, after the prefill and after every round, (new tokens, finish reason or None)
+        per prompt. `stats`, when given, is filled in as decoding goes."""
+        prompts, params = check_requests(prompts, params, vocab_size=self.target.config.vocab_size)
+        bucket = self.config.bucket_for(len(prompts))
+        self.check_fits(prompts, params)
+        stats = stats if stats is not None else DecodeStats()
+        stats.begin(depth=self.depth_for(bucket), num_requests=len(prompts))
+        padding = bucket - len(prompts)
+        with seeded_rng(params, self.device):
+            yield from self._decode_batch(
+                bucket,
+                [*prompts, *[[0]] * padding],
+                [*params, *[_PADDING] * padding],
+                len(prompts),
+                stats,
+            )
+
+    def close(self) -> None:
+        """Free graphs, states and caches."""
+        if self._runner is not None:
+            self._runner.close()
+        self._states.clear()
+        self._stores = None
+        self.warmups.clear()
+
+    def _decode_batch(
+        self,
+        bucket: int,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        num_real: int,
+        stats: DecodeStats,
+    ) -> Iterator[Step]:
+        state = self._state(bucket)
+        if bucket not in self.warmups and self.use_graphs:
+            self.warmup()
+        reader = _ReportReader(self.device, num_real)
+        started = time.perf_counter()
+        reader.submit(functools.partial(self._prefill, state, prompts, params))
+        rows, _ = reader.read()
+        stats.prefill_seconds += time.perf_counter() - started
+        tracker = _SlotTracker(num_real)
+        yield tracker.step(rows, stats, counts_round=False)
+        run_round = self._round_runner(bucket)
+        lag = 1 if self.device.type == "cuda" else 0
+        while not tracker.all_done:
+            while len(reader) <= lag:
+                reader.submit(run_round)
+            rows, seconds = reader.read()
+            stats.round_seconds += seconds
+            yield tracker.step(rows, stats, counts_round=True)
+        stats.per_request.extend(tracker.request_stats())
+
+    def _prefill(self, state, prompts, params) -> torch.Tensor:
+        return prefill(
+            self.target,
+            self.head if self.tree_for(state.root.shape[0]) else None,
+            state,
+            prompts,
+            params,
+            self.eos_token_ids,
+            target_forward=self._prefill_target,
+            draft_forward=self._prefill_draft,
+        )
+
+    def _round_runner(self, bucket: int) -> Callable[[], torch.Tensor]:
+        if self._runner is not None:
+            if bucket not in self._runner:
+                self.warmup()
+            return functools.partial(self._runner.replay, bucket)
+        return self._round_step(bucket)
+
+    def _round_step(self, bucket: int) -> Callable[[], torch.Tensor]:
+        """The bucket's round as a zero-argument call over its static state."""
+        state, tree = self._state(bucket), self.tree_for(bucket)
+        if tree is None:
+            return functools.partial(self._decode, self.target, state)
+        return functools.partial(self._round, self.target, self.head, state, tree)
+
+    def _prepare_round(self, bucket: int) -> int:
+        """Compile the bucket's round (warm-up calls on a done batch) and capture it."""
+        step = self._round_step(bucket)
+        self._state(bucket).done.fill_(True)
+        if self._runner is None:
+            step()
+            return 0
+        return self._runner.capture(bucket, step).pool_bytes
+
+    def _prefill_for_warmup(self, bucket: int) -> None:
+        """A prefill at the bucket's batch size (compiles the prefill forwards)."""
+        prompts = [[0, 0]] * bucket
+        self._prefill(self._state(bucket), prompts, [_PADDING] * bucket)
+
+    def _state(self, bucket: int) -> SpecState:
+        """The bucket's state: views of the shared caches over its first `bucket` slots."""
+        if bucket not in self._states:
+            target_store, draft_store = self._kv_stores(bucket)
+            uses_head = self.tree_for(bucket) is not None
+            self._states[bucket] = allocate_state(
+                self.target,
+                self.head if uses_head else None,
+                batch_size=bucket,
+                capacity=self.config.max_seq_len,
+                depth=self.depth_for(bucket),
+                target_cache=_slots(target_store, bucket),
+                draft_cache=_slots(draft_store, bucket) if uses_head else None,
+            )
+        return self._states[bucket]
+
+    def _kv_stores(self, bucket: int) -> tuple[KVCache, KVCache | None]:
+        """KV caches for the largest bucket with graphs; eagerly, grown to what is needed
+        (growing drops the states built on the smaller stores)."""
+        num_slots = self.config.buckets[-1] if self.use_graphs else bucket
+        if self._stores is None or self._stores[0].k.shape[1] < num_slots:
+            self._states.clear()
+            self._stores = self._allocate_stores(num_slots)
+        return self._stores
+
+    def _allocate_stores(self, num_slots: int) -> tuple[KVCache, KVCache | None]:
+        weight = self.target.lm_head.weight
+        common = dict(
+            batch_size=num_slots,
+            capacity=self.config.max_seq_len,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        target = KVCache.allocate(self.target.config, **common)
+        if self.head is None:
+            return target, None
+        draft = KVCache.allocate(self.head.config.layer, num_layers=self.head.num_layers, **common)
+        return target, draft
+
+
+def _slots(store: KVCache | None, num_slots: int) -> KVCache | None:
+    if store is None:
+        return None
+    return KVCache(store.k[:, :num_slots], store.v[:, :num_slots], store.lengths[:num_slots])
+
+
+class _ReportReader:
+    """Round reports copied to host memory in launch order. On CUDA each goes to a pinned
+    buffer behind an event, so submitting never blocks and reading waits for that round only;
+    each round is timed on the GPU by an event pair around it."""
+
+    def __init__(self, device: torch.device, num_real: int) -> None:
+        self._cuda = device.type == "cuda"
+        self._num_real = num_real
+        self._queue: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def submit(self, run: Callable[[], torch.Tensor]) -> None:
+        """Launch `run` (returns a report [B, C] int64) and queue its copy to the host."""
+        if not self._cuda:
+            started = time.perf_counter()
+            rows = run().tolist()
+            self._queue.append((rows, time.perf_counter() - started))
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        report = run()
+        host = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
+        host.copy_(report, non_blocking=True)
+        end.record()
+        self._queue.append((host, (start, end)))
+
+    def read(self) -> tuple[list[list[int]], float]:
+        """The oldest report's rows (real slots only) and the seconds its launch took."""
+        report, timing = self._queue.popleft()
+        if not self._cuda:
+            return report[: self._num_real], timing
+        start, end = timing
+        end.synchronize()
+        return report[: self._num_real].tolist(), start.elapsed_time(end) / 1e3
+
+
+class _SlotTracker:
+    """The host's view of a batch, updated from reports: which slots are done, and each
+    slot's rounds and accepted draft tokens."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.done = [False] * num_slots
+        self.num_rounds = [0] * num_slots
+        self.num_accepted = [0] * num_slots
+
+    @property
+    def all_done(self) -> bool:
+        return all(self.done)
+
+    def step(self, rows: list[list[int]], stats: DecodeStats, *, counts_round: bool) -> Step:
+        """New tokens and finish reasons of one report; round statistics when it is a round."""
+        step: Step = []
+        cols = ReportColumns
+        for slot, row in enumerate(rows):
+            was_done = self.done[slot]
+            tokens = row[cols.TOKENS : cols.TOKENS + row[cols.NUM_EMITTED]]
+            ended = bool(row[cols.DONE]) and not was_done
+            reason = FINISH_STOP if row[cols.FINISH] == FINISH_STOP_CODE else FINISH_LENGTH
+            step.append((tokens, reason if ended else None))
+            self.done[slot] = bool(row[cols.DONE])
+            if counts_round and not was_done:
+                self.num_rounds[slot] += 1
+                self.num_accepted[slot] += row[cols.NUM_ACCEPTED]
+                stats.accepted_histogram[row[cols.NUM_ACCEPTED]] += 1
+        stats.num_rounds += counts_round
+        return step
+
+    def request_stats(self) -> list[RequestStats]:
+        return [
+            RequestStats(rounds, accepted)
+            for rounds, accepted in zip(self.num_rounds, self.num_accepted, strict=True)
+        ]

@@ -1,0 +1,202 @@
+"""A batch's decoding state: allocated once, then reset and filled by the prefill of each batch.
+
+`allocate_state` builds the static buffers a bucket decodes in (CUDA graphs replay over them,
+so they are never reallocated or rebound). `prefill` writes a fresh batch into them: it
+resets every per-slot field, runs the target over the right-padded prompts (dynamic length,
+outside any graph), samples the root token, fills the draft cache with the pairs
+(token j+1, feature j) of the prompt and leaves (root, last feature) pending for the first
+round's draft extend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..models.attention import chain_ancestors
+from ..models.eagle import DraftHead
+from ..models.llama import Llama
+from .config import SamplingParams
+from .draft import PendingPairs
+from .kv_cache import KVCache
+from .requests import stop_mask
+from .round import FINISH_NONE, SpecState, emit, round_report
+from .sampling import SamplingTensors, sample, target_probs
+
+
+def state_capacity(prompt_length: int, max_new_tokens: int, depth: int) -> int:
+    """KV positions a slot needs: a slot's last round may commit up to D+1 tokens past its
+    limit, and a finished slot still writes (without committing) D+1 entries per round."""
+    return prompt_length + max_new_tokens + 2 * (depth + 1)
+
+
+def allocate_state(
+    target: Llama,
+    head: DraftHead | None,
+    *,
+    batch_size: int,
+    capacity: int,
+    depth: int,
+    target_cache: KVCache | None = None,
+    draft_cache: KVCache | None = None,
+) -> SpecState:
+    """Zeroed state for `batch_size` slots of `capacity` positions (depth 0: plain decoding).
+
+    target_cache, draft_cache: existing caches to decode in (views of a larger store), else
+    fresh ones are allocated.
+    """
+    weight = target.lm_head.weight
+    device, dtype = weight.device, weight.dtype
+    if target_cache is None:
+        target_cache = KVCache.allocate(
+            target.config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device
+        )
+    if head is not None and draft_cache is None:
+        draft_cache = KVCache.allocate(
+            head.config.layer,
+            num_layers=head.num_layers,
+            batch_size=batch_size,
+            capacity=capacity,
+            dtype=dtype,
+            device=device,
+        )
+    zeros = torch.zeros(batch_size, dtype=torch.int64, device=device)
+    return SpecState(
+        target=target_cache,
+        draft=draft_cache if head is not None else None,
+        root=zeros.clone(),
+        pending=None
+        if head is None
+        else _pending_buffers(head, batch_size, depth, dtype=dtype, device=device),
+        output=torch.zeros(batch_size, capacity, dtype=torch.int64, device=device),
+        num_output=zeros.clone(),
+        max_new=zeros.clone(),
+        stop_mask=torch.zeros(
+            batch_size, target.config.vocab_size, dtype=torch.bool, device=device
+        ),
+        done=torch.ones(batch_size, dtype=torch.bool, device=device),
+        finish=zeros.clone(),
+        sampling=SamplingTensors(
+            temperature=torch.zeros(batch_size, device=device),
+            top_k=zeros.clone(),
+            top_p=torch.ones(batch_size, device=device),
+        ),
+    )
+
+
+def _pending_buffers(
+    head: DraftHead, batch_size: int, depth: int, *, dtype: torch.dtype, device: torch.device
+) -> PendingPairs:
+    return PendingPairs(
+        tokens=torch.zeros(batch_size, depth + 1, dtype=torch.int64, device=device),
+        features=torch.zeros(
+            batch_size, depth + 1, head.config.layer.hidden_size, dtype=dtype, device=device
+        ),
+        num_valid=torch.zeros(batch_size, dtype=torch.int64, device=device),
+    )
+
+
+def prefill(
+    target: Llama,
+    head: DraftHead | None,
+    state: SpecState,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    eos_token_ids: Sequence[int],
+    *,
+    target_forward: Callable | None = None,
+    draft_forward: Callable | None = None,
+) -> torch.Tensor:
+    """Reset `state` for a fresh batch (one prompt per slot) and prefill it.
+
+    target_forward, draft_forward: what runs the prompt forwards (a compiled step); the
+    modules themselves by default. Returns the prefill's report [B, 5] int64 (ReportColumns:
+    the root token as the one token emitted).
+    """
+    device = state.root.device
+    tokens, lengths = _prompt_tensors(prompts, device)
+    _reset(state, params, eos_token_ids, vocab_size=target.config.vocab_size)
+    out = (target_forward or target)(
+        tokens,
+        torch.arange(tokens.shape[1], device=device).expand_as(tokens),
+        state.target.attention_inputs(chain_ancestors(*tokens.shape, device)),
+    )
+    state.target.append(out.k_new, out.v_new, lengths)
+    rows = torch.arange(tokens.shape[0], device=device)
+    last = out.hidden[rows, lengths - 1]
+    state.root.copy_(sample(target_probs(target.logits(last), state.sampling)))
+    if head is not None:
+        features = head.target_features(out)
+        _prefill_draft(draft_forward or head, state, tokens, features, lengths)
+    was_done = state.max_new == 0
+    num_emitted = emit(state, state.root[:, None], torch.ones_like(lengths), was_done)
+    return round_report(state, state.root[:, None], num_emitted, torch.zeros_like(lengths))
+
+
+def _prompt_tensors(
+    prompts: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded tokens [B, T] and lengths [B], copied from pinned memory without a sync."""
+    length = max(map(len, prompts))
+    tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
+    for slot, prompt in enumerate(prompts):
+        tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    if device.type == "cuda":
+        tokens, lengths = tokens.pin_memory(), lengths.pin_memory()
+    return tokens.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
+
+
+def _reset(
+    state: SpecState,
+    params: Sequence[SamplingParams],
+    eos_token_ids: Sequence[int],
+    *,
+    vocab_size: int,
+) -> None:
+    """Every per-slot field back to a fresh request's values (the KV contents are left:
+    lengths say what is valid)."""
+    device = state.root.device
+    fresh = SamplingTensors.from_params(params, "cpu")
+    max_new = torch.tensor([p.max_new_tokens for p in params], dtype=torch.int64)
+    for buffer, value in (
+        (state.sampling.temperature, fresh.temperature),
+        (state.sampling.top_k, fresh.top_k),
+        (state.sampling.top_p, fresh.top_p),
+        (state.max_new, max_new),
+        (state.done, max_new == 0),
+        (state.stop_mask, stop_mask(params, eos_token_ids, vocab_size=vocab_size, device="cpu")),
+    ):
+        buffer.copy_(value.pin_memory() if device.type == "cuda" else value, non_blocking=True)
+    state.num_output.zero_()
+    state.target.lengths.zero_()
+    state.finish.fill_(FINISH_NONE)
+    if state.draft is not None:
+        state.draft.lengths.zero_()
+
+
+def _prefill_draft(
+    draft_forward: Callable,
+    state: SpecState,
+    tokens: torch.Tensor,
+    features: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """Draft over pairs (token j+1, feature j) of the prompt; (root, last feature) pending."""
+    batch, length = tokens.shape
+    device = tokens.device
+    if length > 1:
+        positions = torch.arange(length - 1, device=device).expand(batch, -1)
+        anc = chain_ancestors(batch, length - 1, device)
+        out = draft_forward(
+            tokens[:, 1:], features[:, :-1], positions, state.draft.attention_inputs(anc)
+        )
+        state.draft.append(out.k_new, out.v_new, lengths - 1)
+    rows = torch.arange(batch, device=device)
+    pending = state.pending
+    pending.tokens.zero_()
+    pending.tokens[:, 0] = state.root
+    pending.features.zero_()
+    pending.features[:, 0] = features[rows, lengths - 1]
+    pending.num_valid.fill_(1)
