@@ -11,6 +11,7 @@ most one round behind the GPU and never stalls it. Stop conditions are decided o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -30,6 +31,7 @@ from .prefill import allocate_state, prefill, state_capacity
 from .requests import FINISH_LENGTH, FINISH_STOP, check_requests, seeded_rng
 from .round import FINISH_STOP as FINISH_STOP_CODE
 from .round import ReportColumns, SpecState, decode_round, speculative_round
+from .sampling import needs_filtering
 from .stats import DecodeStats, RequestStats
 from .tree import StaticTree, TreeShape
 
@@ -41,9 +43,11 @@ _PADDING = SamplingParams(max_new_tokens=0)
 
 @dataclass(frozen=True)
 class BucketWarmup:
-    """What preparing one bucket cost: seconds (compilation included) and graph pool bytes."""
+    """What preparing one bucket's round cost: seconds (compilation included) and graph pool
+    bytes. `filtered`: the variant with top-k / top-p sampling (see SamplingTensors)."""
 
     bucket: int
+    filtered: bool
     seconds: float
     pool_bytes: int
 
@@ -84,7 +88,7 @@ class Decoder:
         self._runner = CudaGraphRunner(self.device) if self.use_graphs else None
         self._stores: tuple[KVCache, KVCache | None] | None = None
         self._states: dict[int, SpecState] = {}
-        self.warmups: dict[int, BucketWarmup] = {}
+        self.warmups: dict[tuple[int, bool], BucketWarmup] = {}
 
     def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
         """The bucket's draft tree (None: plain decoding)."""
@@ -107,16 +111,32 @@ class Decoder:
                     "or raise EngineConfig(max_seq_len=...)"
                 )
 
-    def warmup(self, *, progress: bool = False) -> dict[int, BucketWarmup]:
-        """Compile (and on CUDA capture) every bucket, largest first. Idempotent."""
-        todo = [b for b in reversed(self.config.buckets) if b not in self.warmups]
-        for bucket in tqdm(todo, desc="warm-up", unit="bucket", disable=not progress):
-            started = time.perf_counter()
-            self._prefill_for_warmup(bucket)
-            pool_bytes = self._prepare_round(bucket)
-            self.warmups[bucket] = BucketWarmup(bucket, time.perf_counter() - started, pool_bytes)
-            logger.info("bucket %d ready in %.1f s", bucket, self.warmups[bucket].seconds)
+    def warmup(
+        self, *, filtered: bool = False, progress: bool = False
+    ) -> dict[tuple[int, bool], BucketWarmup]:
+        """Compile (and on CUDA capture) every bucket, largest first; `filtered` also prepares
+        the top-k/top-p variant (otherwise prepared when first needed). Idempotent."""
+        variants = [(b, f) for b in reversed(self.config.buckets) for f in {False, filtered}]
+        todo = [key for key in variants if key not in self.warmups]
+        for bucket, variant in tqdm(todo, desc="warm-up", unit="graph", disable=not progress):
+            self.prepare(bucket, filtered=variant)
         return dict(self.warmups)
+
+    @torch.inference_mode()
+    def prepare(self, bucket: int, *, filtered: bool = False, prefill: bool = True):
+        """Compile one bucket's prefill (unless `prefill` is False) and round variant, and
+        capture the round on CUDA. Idempotent. Returns its BucketWarmup. The bucket's state is
+        left done (reset by the next prefill)."""
+        key = (bucket, filtered)
+        if key not in self.warmups:
+            started = time.perf_counter()
+            if prefill:
+                self._prefill_for_warmup(bucket)
+            pool_bytes = self._prepare_round(bucket, filtered)
+            seconds = time.perf_counter() - started
+            self.warmups[key] = BucketWarmup(bucket, filtered, seconds, pool_bytes)
+            logger.info("bucket %d (filtered=%s) ready in %.1f s", bucket, filtered, seconds)
+        return self.warmups[key]
 
     def stream(
         self,
@@ -158,17 +178,22 @@ class Decoder:
         num_real: int,
         stats: DecodeStats,
     ) -> Iterator[Step]:
-        state = self._state(bucket)
-        if bucket not in self.warmups and self.use_graphs:
-            self.warmup()
-        reader = _ReportReader(self.device, num_real)
+        state = self.state(bucket)
+        filtered = needs_filtering(params)
+        if self.use_graphs:
+            self.prepare(bucket, filtered=filtered)
+        yield from self._rounds(bucket, filtered, state, prompts, params, num_real, stats)
+
+    @torch.inference_mode()
+    def _rounds(self, bucket, filtered, state, prompts, params, num_real, stats):
+        reader = ReportReader(self.device, num_real)
         started = time.perf_counter()
         reader.submit(functools.partial(self._prefill, state, prompts, params))
         rows, _ = reader.read()
         stats.prefill_seconds += time.perf_counter() - started
-        tracker = _SlotTracker(num_real)
+        tracker = SlotTracker(num_real)
         yield tracker.step(rows, stats, counts_round=False)
-        run_round = self._round_runner(bucket)
+        run_round = self.round_runner(bucket, filtered=filtered)
         lag = 1 if self.device.type == "cuda" else 0
         while not tracker.all_done:
             while len(reader) <= lag:
@@ -190,35 +215,38 @@ class Decoder:
             draft_forward=self._prefill_draft,
         )
 
-    def _round_runner(self, bucket: int) -> Callable[[], torch.Tensor]:
+    def round_runner(self, bucket: int, *, filtered: bool = False) -> Callable[[], torch.Tensor]:
+        """A zero-argument call that runs one round of the bucket over its state (replaying
+        its graph on CUDA) and returns the report [bucket, 4 + D + 1] int64."""
         if self._runner is not None:
-            if bucket not in self._runner:
-                self.warmup()
-            return functools.partial(self._runner.replay, bucket)
-        return self._round_step(bucket)
+            self.prepare(bucket, filtered=filtered)
+            return functools.partial(self._runner.replay, (bucket, filtered))
+        return self._round_step(bucket, filtered)
 
-    def _round_step(self, bucket: int) -> Callable[[], torch.Tensor]:
-        """The bucket's round as a zero-argument call over its static state."""
-        state, tree = self._state(bucket), self.tree_for(bucket)
+    def _round_step(self, bucket: int, filtered: bool) -> Callable[[], torch.Tensor]:
+        """The bucket's round variant as a zero-argument call over its static state."""
+        state, tree = self.state(bucket), self.tree_for(bucket)
+        sampling = dataclasses.replace(state.sampling, filtered=filtered)
+        state = dataclasses.replace(state, sampling=sampling)
         if tree is None:
             return functools.partial(self._decode, self.target, state)
         return functools.partial(self._round, self.target, self.head, state, tree)
 
-    def _prepare_round(self, bucket: int) -> int:
+    def _prepare_round(self, bucket: int, filtered: bool) -> int:
         """Compile the bucket's round (warm-up calls on a done batch) and capture it."""
-        step = self._round_step(bucket)
-        self._state(bucket).done.fill_(True)
+        step = self._round_step(bucket, filtered)
+        self.state(bucket).done.fill_(True)
         if self._runner is None:
             step()
             return 0
-        return self._runner.capture(bucket, step).pool_bytes
+        return self._runner.capture((bucket, filtered), step).pool_bytes
 
     def _prefill_for_warmup(self, bucket: int) -> None:
         """A prefill at the bucket's batch size (compiles the prefill forwards)."""
         prompts = [[0, 0]] * bucket
-        self._prefill(self._state(bucket), prompts, [_PADDING] * bucket)
+        self._prefill(self.state(bucket), prompts, [_PADDING] * bucket)
 
-    def _state(self, bucket: int) -> SpecState:
+    def state(self, bucket: int) -> SpecState:
         """The bucket's state: views of the shared caches over its first `bucket` slots."""
         if bucket not in self._states:
             target_store, draft_store = self._kv_stores(bucket)
@@ -264,7 +292,7 @@ def _slots(store: KVCache | None, num_slots: int) -> KVCache | None:
     return KVCache(store.k[:, :num_slots], store.v[:, :num_slots], store.lengths[:num_slots])
 
 
-class _ReportReader:
+class ReportReader:
     """Round reports copied to host memory in launch order. On CUDA each goes to a pinned
     buffer behind an event, so submitting never blocks and reading waits for that round only;
     each round is timed on the GPU by an event pair around it."""
@@ -302,7 +330,7 @@ class _ReportReader:
         return report[: self._num_real].tolist(), start.elapsed_time(end) / 1e3
 
 
-class _SlotTracker:
+class SlotTracker:
     """The host's view of a batch, updated from reports: which slots are done, and each
     slot's rounds and accepted draft tokens."""
 

@@ -106,10 +106,13 @@ class Engine:
         logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - started)
         return cls(model, Tokenizer.from_dir(model_dir), config, head=head)
 
-    def warmup(self, *, progress: bool = True) -> dict[int, BucketWarmup]:
-        """Compile and (on CUDA) capture every bucket, largest first; idempotent. Returns what
-        each bucket cost. Without it, a bucket is prepared the first time it is used."""
-        return self.decoder.warmup(progress=progress)
+    def warmup(
+        self, *, filtered: bool = False, progress: bool = True
+    ) -> dict[tuple[int, bool], BucketWarmup]:
+        """Compile and (on CUDA) capture every bucket's round, largest first; idempotent.
+        `filtered` also prepares the top-k/top-p variants. Returns what each (bucket,
+        filtered) graph cost. Without it, a graph is prepared the first time it is used."""
+        return self.decoder.warmup(filtered=filtered, progress=progress)
 
     def stats(self) -> EngineStats:
         """A snapshot of the running totals."""

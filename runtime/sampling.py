@@ -20,11 +20,15 @@ class SamplingTensors:
     """Per-slot sampling parameters on the device.
 
     temperature: [B] float32 (0 = greedy); top_k: [B] int64 (0 = off); top_p: [B] float32.
+    filtered: whether top-k / top-p may be on for some slot. When False they are ignored and
+        the full-vocabulary sort they need is skipped; being a Python flag, it selects a
+        separately compiled (and captured) variant of a round.
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    filtered: bool = True
 
     @classmethod
     def from_params(
@@ -34,7 +38,13 @@ class SamplingTensors:
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
+            filtered=needs_filtering(params),
         )
+
+
+def needs_filtering(params: Sequence[SamplingParams]) -> bool:
+    """Whether any request samples with top-k or top-p."""
+    return any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy)
 
 
 def target_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -51,17 +61,38 @@ def target_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tenso
     temperature = sampling.temperature.view(per_slot)
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if not sampling.filtered:
+        return torch.where(greedy, one_hot, scaled.softmax(dim=-1))
+    return torch.where(greedy, one_hot, _filtered_probs(scaled, sampling, per_slot))
+
+
+def _filtered_probs(
+    scaled: torch.Tensor, sampling: SamplingTensors, per_slot: tuple[int, ...]
+) -> torch.Tensor:
+    """softmax(scaled) restricted to each slot's top-k and top-p set, renormalised."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)
     top_k = sampling.top_k.view(per_slot)
     sorted_logits = sorted_logits.masked_fill((top_k > 0) & (rank >= top_k), float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    mass_before = _chunked_cumsum(sorted_probs) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p.view(per_slot), 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy, one_hot, probs)
+    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+
+
+def _chunked_cumsum(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """cumsum over the last dim as a scan within chunks plus a scan over chunk totals.
+
+    Inductor (torch 2.11) fails to generate code for the split scan it picks for one long
+    row (a 128k vocabulary); two short scans never split."""
+    size = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, -size % chunk)).unflatten(-1, (-1, chunk))
+    inner = blocks.cumsum(dim=-1)
+    totals = inner[..., -1]
+    offsets = totals.cumsum(dim=-1) - totals
+    return (inner + offsets[..., None]).flatten(-2)[..., :size]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

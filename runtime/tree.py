@@ -116,9 +116,10 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def candidate_levels(shape: TreeShape, device: torch.device | str) -> torch.Tensor:
     """[C] int64: the tree level (1..D) of every candidate index."""
-    sizes = [shape.topk] + [shape.topk**2] * (shape.depth - 1)
-    levels = torch.arange(1, shape.depth + 1, device=device)
-    return levels.repeat_interleave(torch.tensor(sizes, device=device))
+    # Level 1 has K candidates, every later level K * K. Arithmetic rather than
+    # repeat_interleave with tensor repeats, whose output size would need a host sync.
+    index = torch.arange(shape.num_candidates, device=device)
+    return torch.where(index < shape.topk, 1, 2 + (index - shape.topk) // shape.topk**2)
 
 
 def rerank(root: torch.Tensor, cands: Candidates, shape: TreeShape) -> Tree:

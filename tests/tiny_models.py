@@ -127,7 +127,10 @@ def prefilled_state(target, head, shape, prompts, params, *, eos_token_ids=(11,)
 
     prompts, params = check_requests(prompts, params, vocab_size=target.config.vocab_size)
     depth = 0 if shape is None else shape.depth
-    capacity = max(state_capacity(len(p), q.max_new_tokens, depth) for p, q in zip(prompts, params))
+    capacity = max(
+        state_capacity(len(p), q.max_new_tokens, depth)
+        for p, q in zip(prompts, params, strict=True)
+    )
     state = allocate_state(target, head, batch_size=len(prompts), capacity=capacity, depth=depth)
     report = prefill(target, head, state, prompts, params, eos_token_ids)
     return state, report

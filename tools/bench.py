@@ -2,6 +2,9 @@
 
 `specrun bench kernels`: rt::tree_attention vs SDPA with the equivalent dense mask vs the memory
 floor, on Llama-3.1-8B attention shapes; one JSON line per point and a summary table.
+
+`specrun bench decode`: plain and speculative rounds per batch bucket with Llama-3.1-8B shapes
+and an EAGLE-3-shaped head (random bf16 weights), against the memory floor.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import shlex
 import sys
 
 import torch
+
+from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig
+from ..runtime.tree import TreeShape
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +34,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     kernels.add_argument("--json", default=None, help="write one JSON line per point here")
     kernels.set_defaults(func=run_kernels)
+    decode = subjects.add_parser(
+        "decode", help="plain and speculative round latency per bucket (Llama-3.1-8B shapes)"
+    )
+    decode.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
+    decode.add_argument("--context", type=int, default=1024, help="committed tokens per slot")
+    decode.add_argument("--rounds", type=int, default=20, help="timed rounds per point")
+    decode.add_argument("--draft-vocab", type=int, default=32000)
+    decode.add_argument(
+        "--accept-length",
+        type=float,
+        default=5.39,
+        help="mean accepted length (tokens per round) for the implied speculative tokens/s",
+    )
+    decode.add_argument("--modes", nargs="+", default=["plain", "spec"], choices=["plain", "spec"])
+    decode.add_argument(
+        "--tree", type=int, nargs=3, default=None, metavar=("D", "K", "N"),
+        help="one tree for every bucket (default: the engine's per-bucket table)",
+    )  # fmt: skip
+    decode.add_argument("--json", default=None, help="write one JSON line per point here")
+    decode.set_defaults(func=run_decode)
 
 
 def _environment() -> dict:
@@ -96,3 +122,68 @@ def run_kernels(args: argparse.Namespace) -> int:
     print(HEADER)
     print("\n".join(rows))
     return 0
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise ValueError("bench decode needs a CUDA GPU")
+    from .decode_bench import LLAMA_31_8B, bench_bucket, random_eagle3_head, random_target
+    from .kernel_bench import copy_bandwidth
+
+    env = _environment() | {"model": "Llama-3.1-8B shapes, random bf16 weights"}
+    bandwidth = copy_bandwidth()
+    env["copy_bandwidth_gbps"] = bandwidth / 1e9
+    print(json.dumps(env))
+    target = random_target(LLAMA_31_8B, device="cuda", dtype=torch.bfloat16)
+    head = random_eagle3_head(target, draft_vocab_size=args.draft_vocab, dtype=torch.bfloat16)
+    trees = {1: TreeShape(*args.tree)} if args.tree else DEFAULT_TREES
+    table = EngineConfig(buckets=tuple(args.buckets), trees=trees)
+    points = []
+    sink = open(args.json, "w") if args.json else None  # noqa: SIM115
+    try:
+        for bucket in args.buckets:
+            modes = [("plain", None), ("spec", table.tree_for(bucket))]
+            for mode, tree in modes:
+                if mode not in args.modes or (mode == "spec" and tree is None):
+                    continue
+                point = bench_bucket(
+                    target, head, bucket=bucket, tree=tree, context=args.context,
+                    num_rounds=args.rounds, bandwidth=bandwidth,
+                )  # fmt: skip
+                points.append(point)
+                print(json.dumps(point | env), file=sink or sys.stdout, flush=True)
+                print(json.dumps(point), file=sys.stderr, flush=True)
+    finally:
+        if sink:
+            sink.close()
+    print(format_decode_table(points, accept_length=args.accept_length))
+    return 0
+
+
+def format_decode_table(points: list[dict], *, accept_length: float) -> str:
+    """One row per bucket: plain step vs floor, speculative round vs plain step, implied
+    tokens/s at `accept_length` tokens per round, and whether speculation pays."""
+    plain = {p["bucket"]: p for p in points if p["mode"] == "plain"}
+    spec = {p["bucket"]: p for p in points if p["mode"] == "speculative"}
+    header = (
+        f"{'B':>3} {'plain ms':>8} {'floor':>6} {'plain tok/s':>11} {'tree':>10} {'round ms':>8} "
+        f"{'xplain':>6} {'draft ms':>8} {'verify ms':>9} {f'tok/s@{accept_length}':>11} "
+        f"{'speedup':>7} {'idle':>5} {'warm s':>6} {'pool MiB':>8}"
+    )
+    rows = [header, "-" * len(header)]
+    for bucket in sorted(set(plain) | set(spec)):
+        p, s = plain.get(bucket), spec.get(bucket)
+        spec_tps = bucket * accept_length / s["round_ms"] * 1e3 if s else None
+        ratio = s["round_ms"] / p["round_ms"] if s and p else None
+        speedup = spec_tps / p["tokens_per_s"] if s and p else None
+        rows.append(
+            f"{bucket:>3} {_fmt(p and p['round_ms'], '.2f'):>8} "
+            f"{_fmt(p and p['floor_fraction'], '.0%'):>6} {_fmt(p and p['tokens_per_s']):>11} "
+            f"{'-' if not s else ','.join(map(str, s['tree'])):>10} "
+            f"{_fmt(s and s['round_ms'], '.2f'):>8} {_fmt(ratio, '.2f'):>6} "
+            f"{_fmt(s and s['draft_ms'], '.2f'):>8} {_fmt(s and s['verify_ms'], '.2f'):>9} "
+            f"{_fmt(spec_tps):>11} {_fmt(speedup, '.2f'):>7} "
+            f"{_fmt((s or p)['gpu_idle'], '.1%'):>5} {_fmt((s or p)['warmup_s']):>6} "
+            f"{_fmt((s or p)['graph_pool_mib'], '.0f'):>8}"
+        )
+    return "\n".join(rows)

@@ -11,7 +11,16 @@ import importlib
 import logging
 import sys
 
-COMMAND_MODULES = ("generate", "check", "init-draft", "train-draft", "eval", "convert", "bench")
+COMMAND_MODULES = (
+    "generate",
+    "check",
+    "init-draft",
+    "train-draft",
+    "eval",
+    "convert",
+    "bench",
+    "export-onnx",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)[: args.max_prompts]
     config = EngineConfig(
-        device=args.device, dtype=args.dtype, chat_template=not args.raw, trees={1: tree_shape(args)}
+        device=args.device,
+        dtype=args.dtype,
+        chat_template=not args.raw,
+        trees={1: tree_shape(args)},
     )
     loaded = Engine.from_pretrained(args.model, draft=args.draft, config=config)
     records = [evaluate_point(loaded, prompts, args, temperature=t) for t in args.temperatures]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-
 from collections.abc import Mapping
 
 from ..runtime.config import DEFAULT_TREE, DEFAULT_TREES, EngineConfig, SamplingParams

@@ -75,6 +75,8 @@ class CudaGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(self.capture_stream)
         torch.cuda.synchronize(self.device)
         warmed = time.perf_counter()
+        # torch.cuda.graph empties the cache on entry: measure from an empty cache too.
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):

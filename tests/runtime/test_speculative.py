@@ -125,7 +125,11 @@ def _exact_three_token_law(target, prompt, params) -> dict[tuple[int, ...], floa
             chain_ancestors(batch, length, "cpu"),
         )
         hidden = target(tokens, torch.arange(length).expand(batch, -1), attn).hidden[:, -1]
-        per_slot = SamplingTensors(*(t.expand(batch) for t in vars(sampling).values()))
+        per_slot = SamplingTensors(
+            sampling.temperature.expand(batch),
+            sampling.top_k.expand(batch),
+            sampling.top_p.expand(batch),
+        )
         return target_probs(target.logits(hidden), per_slot)
 
     law: dict[tuple[int, ...], float] = {}

@@ -1,0 +1,235 @@
+"""`specrun bench decode`: plain and speculative round latency per batch bucket against the
+memory floor, with Llama-3.1-8B shapes and random bf16 weights (the cost of a forward does
+not depend on the weights' values).
+
+Every point runs the engine's own decoder: the round of each bucket compiled with Inductor and
+specrun's passes and replayed as one CUDA graph. The state is filled synthetically (every slot
+at the same committed length, never done) instead of prefilled, so that timing needs no
+prompt forward. Per point:
+
+- round latency: the mean of consecutive replays between two CUDA events;
+- the draft phase alone (captured by itself) and so the draft/verify split;
+- the floor of a plain step: bytes of every weight read once (the input embedding aside) plus
+  the committed K/V, over the measured device copy bandwidth;
+- GPU idle time inside the decoding loop: the host loop of the decoder (submit, read one round
+  behind) under the profiler, 1 - busy kernel time / span; and the same for replays back to
+  back, whose idle time is the gaps between kernels inside the graph, not the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..models.config import DraftConfig, LlamaConfig
+from ..models.eagle import DraftHead, build_draft
+from ..models.llama import Llama
+from ..runtime.config import EngineConfig
+from ..runtime.decoder import Decoder, ReportReader
+from ..runtime.graphs import CudaGraphRunner, compile_step
+from ..runtime.round import SpecState, draft_phase
+from ..runtime.tree import TreeShape
+
+logger = logging.getLogger(__name__)
+
+LLAMA_31_8B = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+)
+
+
+def random_target(config: LlamaConfig, *, device: str, dtype: torch.dtype) -> Llama:
+    """A Llama of `config`'s shapes with small random weights, built directly on `device`."""
+    with torch.device("meta"):
+        model = Llama(config)
+    model.to_empty(device=device)
+    _randomize(model, dtype)
+    model.rotary.init_buffers(device)
+    model.tie_weights()
+    return model.eval()
+
+
+def random_eagle3_head(target: Llama, *, draft_vocab_size: int, dtype: torch.dtype) -> DraftHead:
+    """An EAGLE-3 head (1 layer, `draft_vocab_size` outputs) with random weights."""
+    config = DraftConfig(
+        kind="eagle3",
+        layer=target.config,
+        target_hidden_size=target.config.hidden_size,
+        draft_vocab_size=draft_vocab_size,
+        tap_layers=target.tap_layers,
+    )
+    device = target.lm_head.weight.device
+    with torch.device("meta"):
+        head = build_draft(config, target)
+    head.to_empty(device=device)
+    _randomize(head, dtype)
+    head.d2t.zero_()
+    head.t2d.copy_(torch.arange(target.config.vocab_size, device=device) < draft_vocab_size)
+    head.init_buffers(device)
+    return head.eval()
+
+
+def _randomize(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            param.data = param.data.to(dtype)
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+
+
+def floor_seconds(target: Llama, *, batch: int, context: int, bandwidth: float) -> float:
+    """A plain step's memory floor: weights (the embedding table aside) + committed K/V."""
+    config = target.config
+    weights = sum(
+        p.numel() * p.element_size()
+        for name, p in target.named_parameters()
+        if not name.startswith("embed_tokens")
+    )
+    if config.tie_word_embeddings:
+        weights += target.lm_head.weight.numel() * target.lm_head.weight.element_size()
+    element = target.lm_head.weight.element_size()
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+    return (weights + batch * context * kv) / bandwidth
+
+
+def fill_state(state: SpecState, *, context: int, vocab_size: int) -> None:
+    """Every slot at `context` committed tokens, active, greedy, never stopping."""
+    generator = torch.Generator(device=state.root.device).manual_seed(0)
+    state.target.lengths.fill_(context)
+    state.root.random_(0, vocab_size, generator=generator)
+    state.done.fill_(False)
+    state.finish.zero_()
+    state.num_output.zero_()
+    state.max_new.fill_(state.output.shape[1] // 2)
+    state.stop_mask.zero_()
+    state.sampling.temperature.zero_()
+    if state.draft is not None:
+        state.draft.lengths.fill_(context)
+        state.pending.tokens.random_(0, vocab_size, generator=generator)
+        state.pending.features.normal_(generator=generator)
+        state.pending.num_valid.fill_(1)
+
+
+def time_replays(run, *, num_rounds: int) -> float:
+    """Mean seconds of `run` over `num_rounds` back-to-back launches (GPU time)."""
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(num_rounds):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / num_rounds
+
+
+def gpu_idle_fraction(run, *, bucket: int, num_rounds: int, host_loop: bool) -> float | None:
+    """1 - busy / span of the GPU over `num_rounds` rounds: driven by the decoder's host loop
+    (launch, copy the report out, read it one round behind) when `host_loop`, else replayed
+    back to back (what remains is the gaps between kernels inside the graph). None if the
+    profiler saw no kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reader = ReportReader(torch.device("cuda"), bucket)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(num_rounds):
+            if not host_loop:
+                run()
+                continue
+            while len(reader) <= 1:
+                reader.submit(run)
+            reader.read()
+        torch.cuda.synchronize()
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    )
+    if not intervals:
+        return None
+    busy, current_start, current_end = 0.0, *intervals[0]
+    for start, end in intervals[1:]:
+        if start > current_end:
+            busy += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    busy += current_end - current_start
+    span = intervals[-1][1] - intervals[0][0]
+    return max(0.0, 1.0 - busy / span) if span > 0 else None
+
+
+def bench_bucket(
+    target: Llama,
+    head: DraftHead | None,
+    *,
+    bucket: int,
+    tree: TreeShape | None,
+    context: int,
+    num_rounds: int,
+    bandwidth: float,
+) -> dict:
+    """Plain (tree None) or speculative round latency of one bucket, and what it cost."""
+    depth = 0 if tree is None else tree.depth
+    config = EngineConfig(
+        device="cuda",
+        buckets=(bucket,),
+        trees={bucket: tree},
+        max_seq_len=context + (3 * num_rounds + 8) * (depth + 1),
+        compile=True,
+        cuda_graphs=True,
+    )
+    decoder = Decoder(target, head if tree is not None else None, config)
+    state = decoder.state(bucket)
+    fill_state(state, context=context, vocab_size=target.config.vocab_size)
+    started = time.perf_counter()
+    warmup = decoder.prepare(bucket, prefill=False)
+    run = decoder.round_runner(bucket)
+    point = {
+        "bucket": bucket,
+        "mode": "plain" if tree is None else "speculative",
+        "tree": None if tree is None else [tree.depth, tree.topk, tree.num_nodes],
+        "context": context,
+        "warmup_s": time.perf_counter() - started,
+        "graph_pool_mib": warmup.pool_bytes / 2**20,
+    }
+    fill_state(state, context=context, vocab_size=target.config.vocab_size)
+    point["round_ms"] = time_replays(run, num_rounds=num_rounds) * 1e3
+    fill_state(state, context=context, vocab_size=target.config.vocab_size)
+    for key, host_loop in (("gpu_idle", True), ("gpu_idle_in_graph", False)):
+        point[key] = gpu_idle_fraction(
+            run, bucket=bucket, num_rounds=num_rounds, host_loop=host_loop
+        )
+    floor = floor_seconds(target, batch=bucket, context=context, bandwidth=bandwidth)
+    point["floor_ms"] = floor * 1e3
+    if tree is None:
+        point["tokens_per_s"] = bucket / point["round_ms"] * 1e3
+        point["floor_fraction"] = point["floor_ms"] / point["round_ms"]
+    else:
+        fill_state(state, context=context, vocab_size=target.config.vocab_size)
+        point["draft_ms"] = _draft_phase_ms(head, state, tree, num_rounds=num_rounds)
+        point["verify_ms"] = point["round_ms"] - point["draft_ms"]
+    decoder.close()
+    return point
+
+
+def _draft_phase_ms(head: DraftHead, state: SpecState, tree: TreeShape, *, num_rounds) -> float:
+    """The draft phase of a round alone, compiled and captured like the round."""
+    step = compile_step(draft_phase, name="draft_phase")
+    runner = CudaGraphRunner("cuda")
+    runner.capture("draft", lambda: step(head, state, tree))
+    try:
+        return time_replays(lambda: runner.replay("draft"), num_rounds=num_rounds) * 1e3
+    finally:
+        runner.close()
