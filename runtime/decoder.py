@@ -80,7 +80,7 @@ class Decoder:
         self._round, self._decode = speculative_round, decode_round
         self._prefill_target = self._prefill_draft = None
         if self._compiled:
-            num_graphs = len(config.buckets) + 1
+            num_graphs = 2 * len(config.buckets) + 2  # with and without top-k/top-p
             self._round = compile_round(speculative_round, recompile_limit=num_graphs)
             self._decode = compile_step(decode_round, name="decode", recompile_limit=num_graphs)
             self._prefill_target = compile_prefill(target)
