@@ -1,0 +1,112 @@
+"""The decoder's host logic on the CPU: bucket padding, the per-bucket tree table, state reuse
+across batches (an abandoned stream included), capacity and bucket errors, statistics.
+
+Greedy decoding of tiny float64 models is exact, so every path must reproduce the reference
+decoder token for token whatever the bucket, padding or history of the shared state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specrun.runtime.config import EngineConfig, SamplingParams
+from specrun.runtime.decoder import Decoder
+from specrun.runtime.reference import reference_generate
+from specrun.runtime.stats import DecodeStats
+from specrun.runtime.tree import TreeShape
+from tiny_models import TargetAsDraft, random_llama, tiny_config
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12], [40, 41, 42]]
+EOS = (11,)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_llama(tiny_config(), dtype=torch.float64)
+
+
+def _decoder(target, **overrides) -> Decoder:
+    fields = dict(
+        device="cpu",
+        buckets=(1, 2, 4),
+        trees={1: TreeShape(4, 3, 10), 2: TreeShape(2, 2, 4), 4: None},
+        max_seq_len=64,
+    )
+    return Decoder(
+        target, TargetAsDraft(target), EngineConfig(**(fields | overrides)), eos_token_ids=EOS
+    )
+
+
+def _decode(decoder, prompts, params, stats=None):
+    outputs, reasons = [[] for _ in prompts], [None] * len(prompts)
+    for step in decoder.stream(prompts, params, stats=stats):
+        for slot, (tokens, reason) in enumerate(step):
+            outputs[slot].extend(tokens)
+            reasons[slot] = reason or reasons[slot]
+    return outputs, reasons
+
+
+def _reference(target, prompts, params):
+    want = reference_generate(target, prompts, params, eos_token_ids=EOS)
+    return [w.token_ids for w in want], [w.finish_reason for w in want]
+
+
+@pytest.mark.parametrize("num_prompts", [1, 2, 3, 4])
+def test_every_bucket_and_padding_reproduce_the_reference(target, num_prompts):
+    """1: deep tree, 2: shallow tree, 3 pads to 4, whose table entry is plain decoding."""
+    decoder = _decoder(target)
+    params = [SamplingParams(max_new_tokens=n) for n in (20, 7, 13, 1)][:num_prompts]
+    prompts = PROMPTS[:num_prompts]
+    assert _decode(decoder, prompts, params) == _reference(target, prompts, params)
+
+
+def test_state_is_reset_between_batches_and_after_an_abandoned_stream(target):
+    decoder = _decoder(target)
+    params = SamplingParams(max_new_tokens=15, ignore_eos=True)
+    steps = decoder.stream(PROMPTS[:2], params)
+    next(steps)
+    next(steps)
+    steps.close()
+    for prompts in (PROMPTS[2:4], PROMPTS[:2], PROMPTS[4:]):
+        assert _decode(decoder, prompts, params) == _reference(target, prompts, params)
+
+
+def test_stop_ids_max_new_zero_and_statistics(target):
+    decoder = _decoder(target)
+    params = [
+        SamplingParams(max_new_tokens=0),
+        SamplingParams(max_new_tokens=30, stop_token_ids=(7, 9)),
+    ]
+    stats = DecodeStats()
+    got = _decode(decoder, PROMPTS[:2], params, stats=stats)
+    assert got == _reference(target, PROMPTS[:2], params)
+    assert (got[0][0] == [] and got[1][0] == "length") or got[1][1] in ("stop", "length")
+    assert stats.num_requests == 2 and len(stats.per_request) == 2
+    assert stats.per_request[0].num_rounds == 0
+    assert sum(stats.accepted_histogram) == stats.per_request[1].num_rounds
+    assert len(stats.accepted_histogram) == 3  # bucket 2: depth 2
+
+
+def test_requests_that_do_not_fit_are_refused_before_any_state_changes(target):
+    decoder = _decoder(target)
+    params = SamplingParams(max_new_tokens=10)
+    want = _decode(decoder, PROMPTS[:1], params)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        list(decoder.stream([[1] * 40], SamplingParams(max_new_tokens=20)))
+    with pytest.raises(ValueError, match="largest bucket"):
+        list(decoder.stream([[1]] * 5, params))
+    assert _decode(decoder, PROMPTS[:1], params) == want
+
+
+def test_engine_config_tree_table_and_bucket_choice():
+    config = EngineConfig(buckets=(1, 4, 16), trees={1: TreeShape(3, 2, 5), 4: None})
+    assert config.tree_for(1) == TreeShape(3, 2, 5)
+    assert config.tree_for(4) is None and config.tree_for(16) is None
+    assert [config.bucket_for(n) for n in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
+    with pytest.raises(ValueError, match="bucket"):
+        EngineConfig(buckets=(2, 1))
+    with pytest.raises(ValueError, match="trees has no entry"):
+        EngineConfig(buckets=(1, 2), trees={2: None})
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        EngineConfig(device="cpu", cuda_graphs=True).resolved_cuda_graphs()
