@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,3 +79,16 @@ def test_bad_config_is_refused():
         EngineConfig(trees={1: (7, 10, 60)})
     with pytest.raises(ValueError, match="num_nodes"):
         TreeShape(depth=1, topk=2, num_nodes=9)
+
+
+def test_batches_above_the_largest_bucket_are_queued_or_refused(engine):
+    params = SamplingParams(max_new_tokens=2)
+    prompts = [[1, 2, 3 + i] for i in range(6)]
+    outputs = engine.generate(prompts, params)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert all(len(o.token_ids) == 2 for o in outputs)
+    strict = Engine(engine.model, engine.tokenizer, dataclasses.replace(CONFIG, queue=False))
+    with pytest.raises(ValueError, match="queue=True"):
+        strict.generate(prompts, params)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        strict.generate([[1, 2]], SamplingParams(max_new_tokens=600))
