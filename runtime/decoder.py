@@ -27,7 +27,7 @@ from ..models.llama import Llama
 from .config import EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner, compile_prefill, compile_round, compile_step
 from .kv_cache import KVCache
-from .prefill import allocate_state, prefill, state_capacity
+from .prefill import allocate_caches, allocate_state, prefill, state_capacity
 from .requests import FINISH_LENGTH, FINISH_STOP, check_requests, seeded_rng
 from .round import FINISH_STOP as FINISH_STOP_CODE
 from .round import ReportColumns, SpecState, decode_round, speculative_round
@@ -268,22 +268,10 @@ class Decoder:
         num_slots = self.config.buckets[-1] if self.use_graphs else bucket
         if self._stores is None or self._stores[0].k.shape[1] < num_slots:
             self._states.clear()
-            self._stores = self._allocate_stores(num_slots)
+            self._stores = allocate_caches(
+                self.target, self.head, batch_size=num_slots, capacity=self.config.max_seq_len
+            )
         return self._stores
-
-    def _allocate_stores(self, num_slots: int) -> tuple[KVCache, KVCache | None]:
-        weight = self.target.lm_head.weight
-        common = dict(
-            batch_size=num_slots,
-            capacity=self.config.max_seq_len,
-            dtype=weight.dtype,
-            device=weight.device,
-        )
-        target = KVCache.allocate(self.target.config, **common)
-        if self.head is None:
-            return target, None
-        draft = KVCache.allocate(self.head.config.layer, num_layers=self.head.num_layers, **common)
-        return target, draft
 
 
 def _slots(store: KVCache | None, num_slots: int) -> KVCache | None:

@@ -31,6 +31,20 @@ def state_capacity(prompt_length: int, max_new_tokens: int, depth: int) -> int:
     return prompt_length + max_new_tokens + 2 * (depth + 1)
 
 
+def allocate_caches(
+    target: Llama, head: DraftHead | None, *, batch_size: int, capacity: int
+) -> tuple[KVCache, KVCache | None]:
+    """Zeroed target and (with a head) draft KV caches in the target's dtype and device."""
+    weight = target.lm_head.weight
+    common = dict(
+        batch_size=batch_size, capacity=capacity, dtype=weight.dtype, device=weight.device
+    )
+    target_cache = KVCache.allocate(target.config, **common)
+    if head is None:
+        return target_cache, None
+    return target_cache, KVCache.allocate(head.config.layer, num_layers=head.num_layers, **common)
+
+
 def allocate_state(
     target: Llama,
     head: DraftHead | None,
@@ -48,18 +62,9 @@ def allocate_state(
     """
     weight = target.lm_head.weight
     device, dtype = weight.device, weight.dtype
-    if target_cache is None:
-        target_cache = KVCache.allocate(
-            target.config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device
-        )
-    if head is not None and draft_cache is None:
-        draft_cache = KVCache.allocate(
-            head.config.layer,
-            num_layers=head.num_layers,
-            batch_size=batch_size,
-            capacity=capacity,
-            dtype=dtype,
-            device=device,
+    if target_cache is None or (head is not None and draft_cache is None):
+        target_cache, draft_cache = allocate_caches(
+            target, head, batch_size=batch_size, capacity=capacity
         )
     zeros = torch.zeros(batch_size, dtype=torch.int64, device=device)
     return SpecState(
