@@ -7,7 +7,8 @@ Headers (names, shapes, dtypes) are read without touching tensor data, so a chec
 checked against the model before anything is allocated; tensors are then read one at a time.
 Legacy .bin files are only ever opened with `torch.load(weights_only=True, mmap=True)`: no
 code in them runs, and their data stays in the page cache until each tensor is converted.
-Key names are the files' own; renaming is loading.py's business.
+Key names are the files' own; renaming is loading.py's business. `write_safetensors` writes
+one model.safetensors, or shards plus an index when a size limit asks for them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
@@ -193,3 +195,51 @@ def _tensor_problems(name: str, info: TensorInfo, spec: TensorSpec) -> list[str]
     if spec.dtype is not None and info.dtype != spec.dtype:
         problems.append(f"wrong dtype: {name}: expected {spec.dtype}, got {info.dtype}")
     return problems
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], out_dir: Path, *, max_shard_bytes: int | None = None
+) -> list[Path]:
+    """Write `tensors` (moved to the CPU) into `out_dir`; returns the files written.
+
+    Without a limit, or when everything fits under it, this is one model.safetensors.
+    Otherwise tensors go in name order into model-0000i-of-0000n.safetensors shards of at
+    most `max_shard_bytes` each (a single larger tensor gets a shard of its own), with the
+    Hugging Face model.safetensors.index.json beside them. Stale weight files are removed
+    first so the directory never holds two layouts.
+    """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, not {max_shard_bytes}")
+    plain = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    for stale in [*out_dir.glob("model*.safetensors"), out_dir / WEIGHT_FILES[0]]:
+        stale.unlink(missing_ok=True)
+    shards = _plan_shards(plain, max_shard_bytes)
+    if len(shards) == 1:
+        path = out_dir / "model.safetensors"
+        save_file(plain, path, metadata={"format": "pt"})
+        return [path]
+    paths, weight_map = [], {}
+    for i, names in enumerate(shards):
+        path = out_dir / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: plain[n] for n in names}, path, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(names, path.name)
+        paths.append(path)
+    total = sum(t.numel() * t.element_size() for t in plain.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / WEIGHT_FILES[0]).write_text(json.dumps(index, indent=2) + "\n")
+    return [*paths, out_dir / WEIGHT_FILES[0]]
+
+
+def _plan_shards(tensors: Mapping[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    if max_bytes is None:
+        return [sorted(tensors)]
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        num_bytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + num_bytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += num_bytes
+    return shards

@@ -28,10 +28,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint import Checkpoint, TensorInfo, TensorSpec, check_tensors, existing_dir
+from .checkpoint import (
+    Checkpoint,
+    TensorInfo,
+    TensorSpec,
+    check_tensors,
+    existing_dir,
+    write_safetensors,
+)
 from .config import DraftConfig, LlamaConfig
 from .eagle import DraftHead, Eagle3Head, build_draft
 from .llama import Llama
@@ -121,10 +127,24 @@ def save_target(model: Llama, out_dir: str | Path) -> Path:
     return _write(tensors, model.config.to_hf(), out_dir)
 
 
-def save_draft(head: DraftHead, out_dir: str | Path) -> Path:
+def save_draft(
+    head: DraftHead,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
     """Write `head` in its published layout (see the module docstring) with a config.json
-    that DraftConfig.from_json reads back. Borrowed target modules are not written."""
-    return _write(head.state_dict(), head.config.to_hf(), out_dir)
+    that DraftConfig.from_json reads back. Borrowed target modules are not written.
+
+    `dtype` casts the floating weights (the vocabulary maps keep theirs); `max_shard_bytes`
+    splits the weights into indexed shards of at most that size.
+    """
+    tensors = {
+        name: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        for name, t in head.state_dict().items()
+    }
+    return _write(tensors, head.config.to_hf(), out_dir, max_shard_bytes=max_shard_bytes)
 
 
 def specs_of(model: nn.Module) -> dict[str, TensorSpec]:
@@ -196,11 +216,16 @@ def _check_materialised(model: nn.Module) -> None:
         raise RuntimeError(f"loading left tensors on the meta device: {left}")
 
 
-def _write(tensors: Mapping[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
+def _write(
+    tensors: Mapping[str, torch.Tensor],
+    config: dict,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int | None = None,
+) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plain = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    save_file(plain, out / "model.safetensors", metadata={"format": "pt"})
+    files = write_safetensors(tensors, out, max_shard_bytes=max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    logger.info("wrote %d tensors to %s", len(plain), out)
+    logger.info("wrote %d tensors to %s in %d file(s)", len(tensors), out, len(files))
     return out

@@ -5,6 +5,9 @@ floor, on Llama-3.1-8B attention shapes; one JSON line per point and a summary t
 
 `specrun bench decode`: plain and speculative rounds per batch bucket with Llama-3.1-8B shapes
 and an EAGLE-3-shaped head (random bf16 weights), against the memory floor.
+
+`specrun bench hf`: Hugging Face transformers `generate` on a real model at batch 1, the
+comparison point for `specrun eval`'s speculative and plain numbers on the same prompts.
 """
 
 from __future__ import annotations
@@ -54,6 +57,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     decode.add_argument("--json", default=None, help="write one JSON line per point here")
     decode.set_defaults(func=run_decode)
+    hf = subjects.add_parser("hf", help="transformers generate at batch 1 on a real model")
+    hf.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
+    hf.add_argument("--prompts", default="builtin:heldout", help="JSONL or builtin:NAME")
+    hf.add_argument("--max-prompts", type=int, default=16)
+    hf.add_argument("--max-new-tokens", type=int, default=256)
+    hf.add_argument("--json", default=None, help="also write the JSON line here")
+    hf.set_defaults(func=run_hf)
 
 
 def _environment() -> dict:
@@ -187,3 +197,22 @@ def format_decode_table(points: list[dict], *, accept_length: float) -> str:
             f"{_fmt((s or p)['graph_pool_mib'], '.0f'):>8}"
         )
     return "\n".join(rows)
+
+
+def run_hf(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise ValueError("bench hf needs a CUDA GPU")
+    from ..models.default import default_model_dir
+    from ..runtime.distill.data import read_prompts
+    from .hf_bench import hf_generate_point
+
+    prompts = read_prompts(args.prompts)[: args.max_prompts]
+    model_dir = args.model or default_model_dir()
+    point = hf_generate_point(model_dir, prompts, max_new_tokens=args.max_new_tokens)
+    line = json.dumps(point | {"model": str(model_dir)} | _environment())
+    print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(line + "\n")
+    print(f"transformers generate: {point['tokens_per_second']:.1f} tok/s")
+    return 0

@@ -43,32 +43,37 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         chat_template=not args.raw,
+        buckets=(1,),
         trees={1: tree_shape(args)},
     )
-    loaded = Engine.from_pretrained(args.model, draft=args.draft, config=config)
-    records = [evaluate_point(loaded, prompts, args, temperature=t) for t in args.temperatures]
+    spec = Engine.from_pretrained(args.model, draft=args.draft, config=config)
+    plain = Engine(spec.model, spec.tokenizer, spec.config)
+    records = [
+        evaluate_point(spec, plain, prompts, args, temperature=t) for t in args.temperatures
+    ]
     lines = [json.dumps(record) for record in records]
     for line in lines:
         print(line)
     if args.json:
         Path(args.json).write_text("".join(line + "\n" for line in lines))
     print(format_table(records))
-    loaded.close()
+    spec.close()
+    plain.close()
     return 0
 
 
 def evaluate_point(
-    loaded: Engine, prompts: list, args: argparse.Namespace, *, temperature: float
+    spec: Engine, plain: Engine, prompts: list, args: argparse.Namespace, *, temperature: float
 ) -> dict:
-    """Speculative and plain decoding of every prompt at one temperature."""
+    """Speculative (`spec`, with a head) and plain decoding of every prompt at one
+    temperature, batch 1. The engines are reused across temperatures, so each compiles and
+    captures its round once."""
     params = SamplingParams(
         temperature=temperature,
         max_new_tokens=args.max_new_tokens,
         ignore_eos=args.ignore_eos,
         seed=args.seed,
     )
-    spec = Engine(loaded.model, loaded.tokenizer, loaded.config, head=loaded.head)
-    plain = Engine(loaded.model, loaded.tokenizer, loaded.config)
     # One untimed request each first, so lazy initialisation is not charged to either side.
     for engine in (spec, plain):
         engine.generate(prompts[0], _warmup_params(params))
@@ -78,7 +83,7 @@ def evaluate_point(
         plain.generate(prompt, params)
     spec_stats = _since(spec_before, spec.stats())
     plain_stats = _since(plain_before, plain.stats())
-    shape = loaded.config.tree_for(1)
+    shape = spec.config.tree_for(1)
     return {
         "temperature": temperature,
         "num_prompts": len(prompts),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+import torch
+
 from ..models.config import DRAFT_KINDS
 from ..models.default import default_model_dir
 from ..models.loading import load_target
@@ -24,6 +26,8 @@ from ..runtime.distill.data import (
 from ..runtime.distill.trainer import TrainConfig, checkpoint_sequences_path, train_draft
 
 logger = logging.getLogger(__name__)
+
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,6 +61,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16")
+    parser.add_argument(
+        "--generate-batch-size", type=int, default=64, help="prompts answered at once"
+    )
+    parser.add_argument(
+        "--save-dtype", choices=sorted(SAVE_DTYPES), default="bfloat16", help="head weights"
+    )
+    parser.add_argument(
+        "--max-shard-mib", type=float, default=15.0, help="split head weights into shards"
+    )
     parser.set_defaults(func=run)
 
 
@@ -101,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         stop_at=args.stop_at,
         max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+        save_dtype=SAVE_DTYPES[args.save_dtype],
+        max_shard_bytes=int(args.max_shard_mib * 2**20),
     )
     if result.losses:
         print(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
@@ -126,5 +141,6 @@ def _self_distilled(args: argparse.Namespace, target, model_dir):
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        batch_size=args.generate_batch_size,
         eos_token_ids=eos,
     )

@@ -1,8 +1,9 @@
 """Training data for draft heads: prompts, self-distilled responses, batches, draft vocabulary.
 
 Self-distillation: the head learns to predict what the target itself says, so the training
-sequences are prompts followed by the target's own responses (greedy or sampled with the
-plain reference decoder). Only token ids are stored; the target's hidden states, taps and
+sequences are prompts followed by the target's own responses (greedy or sampled), decoded by
+the runtime's own plain decoder: compiled and replayed as a CUDA graph on a GPU, eager on the
+CPU. Only token ids are stored; the target's hidden states, taps and
 logits are recomputed inside the training loop (see trainer.py), never dumped to disk.
 
 A prompts file is JSON lines, each {"prompt": "text"} (chat-templated when the tokenizer has a
@@ -21,8 +22,9 @@ import torch
 
 from ...models.llama import Llama
 from ...models.tokenizer import Tokenizer
-from ..config import SamplingParams
-from ..reference import reference_generate
+from ..config import EngineConfig, SamplingParams
+from ..decoder import Decoder
+from ..prefill import state_capacity
 from .prompts import builtin_prompts
 
 logger = logging.getLogger(__name__)
@@ -112,18 +114,36 @@ def generate_sequences(
     batch_size: int = 16,
     eos_token_ids: Sequence[int] = (),
 ) -> list[TrainingSequence]:
-    """The target's own responses to `prompts` (reference decoder), joined to their prompts."""
+    """The target's own responses to `prompts`, joined to their prompts.
+
+    Decoded plainly `batch_size` prompts at a time by one Decoder with that single bucket
+    (the last, smaller chunk is padded), so a GPU compiles and captures one graph. Prompt i
+    samples with seed `seed + i`, whatever the batch size.
+    """
+    longest = max((len(p) for p in prompts), default=1)
+    capacity = state_capacity(longest, max_new_tokens, depth=0)
+    config = EngineConfig(buckets=(batch_size,), max_seq_len=capacity)
+    decoder = Decoder(target, None, config, eos_token_ids=eos_token_ids)
     sequences = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = [list(p) for p in prompts[start : start + batch_size]]
-        params = SamplingParams(
-            temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + start
-        )
-        with torch.inference_mode():
-            generations = reference_generate(target, chunk, params, eos_token_ids=eos_token_ids)
-        for prompt, generation in zip(chunk, generations, strict=True):
-            sequences.append(TrainingSequence((*prompt, *generation.token_ids), len(prompt)))
-        logger.info("generated responses for %d/%d prompts", len(sequences), len(prompts))
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = [list(p) for p in prompts[start : start + batch_size]]
+            params = [
+                SamplingParams(
+                    temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + start + i
+                )
+                for i in range(len(chunk))
+            ]
+            responses: list[list[int]] = [[] for _ in chunk]
+            with torch.inference_mode():
+                for step in decoder.stream(chunk, params):
+                    for response, (tokens, _reason) in zip(responses, step, strict=True):
+                        response.extend(tokens)
+            for prompt, response in zip(chunk, responses, strict=True):
+                sequences.append(TrainingSequence((*prompt, *response), len(prompt)))
+            logger.info("generated responses for %d/%d prompts", len(sequences), len(prompts))
+    finally:
+        decoder.close()
     return sequences
 
 

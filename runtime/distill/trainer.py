@@ -264,6 +264,8 @@ def train_draft(
     stop_at: int | None = None,
     max_seconds: float | None = None,
     progress: bool = True,
+    save_dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
 ) -> TrainResult:
     """Train a head of `config.kind` on `sequences` with `target` frozen; write it to out_dir.
 
@@ -271,6 +273,8 @@ def train_draft(
     at the saved step (the same batches follow as in an uninterrupted run). `stop_at` (a
     step) and `max_seconds` (wall time) end a time-sliced run early with a checkpoint, to be
     continued with `resume`; the head written to out_dir is then the one trained so far.
+    `save_dtype` and `max_shard_bytes` shape that written head (see `save_draft`); training
+    and checkpoints stay in float32.
     """
     out_dir = Path(out_dir)
     target.requires_grad_(False)
@@ -301,7 +305,7 @@ def train_draft(
             break
     bar.close()
     head.eval()
-    save_draft(head, out_dir)
+    save_draft(head, out_dir, dtype=save_dtype, max_shard_bytes=max_shard_bytes)
     return result
 
 

@@ -3,12 +3,14 @@ inference computation, losses fall, heads round-trip through save/load, resume i
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from specrun.models.attention import chain_ancestors
 from specrun.models.llama import AttentionInputs
-from specrun.models.loading import check_vocab_maps, load_draft
+from specrun.models.loading import check_vocab_maps, load_draft, save_draft
 from specrun.runtime.config import SamplingParams
 from specrun.runtime.distill.data import (
     TrainingSequence,
@@ -116,6 +118,38 @@ def test_eagle3_loss_falls_and_the_head_round_trips(target, sequences, tmp_path)
         ours = next(unroll(result.head, tokens, features, num_steps=1))
         theirs = next(unroll(loaded, tokens, features, num_steps=1))
     assert torch.equal(ours.logits, theirs.logits)
+
+
+def test_generated_sequences_are_the_reference_greedy_responses(target):
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(97, (2 + i,), generator=generator).tolist() for i in range(5)]
+    # Batches of 4: the second one holds a single prompt and three padding slots.
+    sequences = generate_sequences(target, prompts, max_new_tokens=9, batch_size=4)
+    expected = reference_generate(target, prompts, SamplingParams(max_new_tokens=9))
+    for prompt, seq, ref in zip(prompts, sequences, expected, strict=True):
+        assert seq.num_prompt == len(prompt)
+        assert list(seq.token_ids) == [*prompt, *ref.token_ids]
+
+
+def test_head_saved_in_bf16_shards_round_trips(target, sequences, tmp_path):
+    result = _train(target, sequences, tmp_path, kind="eagle3", draft_vocab_size=48, num_steps=1)
+    out = tmp_path / "shipped"
+    save_draft(result.head, out, dtype=torch.bfloat16, max_shard_bytes=4096)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (out / "model.safetensors").exists()
+    state = {
+        n: t.to(torch.bfloat16) if t.is_floating_point() else t
+        for n, t in result.head.state_dict().items()
+    }
+    for shard in shards:
+        names = [n for n, f in index["weight_map"].items() if f == shard]
+        num_bytes = sum(state[n].numel() * state[n].element_size() for n in names)
+        assert num_bytes <= 4096 or len(names) == 1, (shard, names, num_bytes)
+    loaded = load_draft(out, target=target)
+    for name, tensor in result.head.state_dict().items():
+        saved = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert torch.equal(loaded.state_dict()[name].to(saved.dtype), saved), name
 
 
 def test_trained_eagle3_vocab_is_consistent(target, sequences, tmp_path):
