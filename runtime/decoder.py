@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,8 +83,13 @@ class Decoder:
             num_graphs = 2 * len(config.buckets) + 2  # with and without top-k/top-p
             self._round = compile_round(speculative_round, recompile_limit=num_graphs)
             self._decode = compile_step(decode_round, name="decode", recompile_limit=num_graphs)
-            self._prefill_target = compile_prefill(target)
-            self._prefill_draft = compile_prefill(head) if head is not None else None
+            # Prefills are dynamic, yet a bucket's KV view into the shared store has strides
+            # a fresh tensor would not, and batch 1 specialises: up to 4 graphs per bucket.
+            num_prefills = 4 * len(config.buckets) + 4
+            self._prefill_target = compile_prefill(target, recompile_limit=num_prefills)
+            self._prefill_draft = (
+                compile_prefill(head, recompile_limit=num_prefills) if head is not None else None
+            )
         self._runner = CudaGraphRunner(self.device) if self.use_graphs else None
         self._stores: tuple[KVCache, KVCache | None] | None = None
         self._states: dict[int, SpecState] = {}
@@ -222,6 +227,20 @@ class Decoder:
             self.prepare(bucket, filtered=filtered)
             return functools.partial(self._runner.replay, (bucket, filtered))
         return self._round_step(bucket, filtered)
+
+    def round_step(self, bucket: int, *, filtered: bool = False) -> functools.partial:
+        """The bucket's round variant as a zero-argument partial of its (compiled) step over
+        the bucket's static state: `.func` is the step, `.args` what it is called with."""
+        return self._round_step(bucket, filtered)
+
+    def add_precompiled(self, steps: Mapping[str, Sequence[Callable]]) -> None:
+        """Hand ahead-of-time compiled round steps ({"round": [...], "decode": [...]}, see
+        runtime/graphs/artifacts.py) to the compiled steps; a call runs the one whose guards
+        pass instead of tracing."""
+        if not self._compiled:
+            raise ValueError("precompiled steps need EngineConfig(compile=True)")
+        self._round.add_precompiled(steps.get("round", ()))
+        self._decode.add_precompiled(steps.get("decode", ()))
 
     def _round_step(self, bucket: int, filtered: bool) -> Callable[[], torch.Tensor]:
         """The bucket's round variant as a zero-argument call over its static state."""

@@ -23,6 +23,7 @@ from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from ..models.loading import load_draft, load_target
 from ..models.tokenizer import Tokenizer
+from . import aot
 from .config import EngineConfig, SamplingParams, validate_prompt_ids
 from .decoder import BucketWarmup, Decoder, Step
 from .requests import check_requests
@@ -94,17 +95,29 @@ class Engine:
         *,
         draft: str | Path | None = None,
         config: EngineConfig | None = None,
+        artifacts: str | Path | None = None,
     ) -> Engine:
         """Load an HF Llama directory (None: the embedded SmolLM2-135M-Instruct) and, when
-        given, an EAGLE draft-head directory for speculative decoding."""
+        given, an EAGLE draft-head directory for speculative decoding.
+
+        artifacts: a directory written by `specrun compile` for this model, head, config,
+        torch and device (else ValueError: what differs, how to rebuild). Its compiled steps
+        are loaded and every bucket is warmed up (and captured) from them before returning.
+        """
         config = config or EngineConfig()
+        if artifacts is not None:
+            config = aot.artifact_config(config)
+        command = dict(model_dir=model_dir, draft=draft, config=config, out=artifacts)
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         device, dtype = config.resolved_device(), config.resolved_dtype()
         started = time.perf_counter()
         model = load_target(model_dir, dtype=dtype, device=device)
         head = load_draft(draft, target=model) if draft is not None else None
         logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - started)
-        return cls(model, Tokenizer.from_dir(model_dir), config, head=head)
+        engine = cls(model, Tokenizer.from_dir(model_dir), config, head=head)
+        if artifacts is not None:
+            aot.load_into(engine.decoder, artifacts, rebuild=aot.compile_command(**command))
+        return engine
 
     def warmup(
         self, *, filtered: bool = False, progress: bool = True

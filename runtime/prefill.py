@@ -122,10 +122,12 @@ def prefill(
     device = state.root.device
     tokens, lengths = _prompt_tensors(prompts, device)
     _reset(state, params, eos_token_ids, vocab_size=target.config.vocab_size)
+    # Positions and masks are materialised, not broadcast (stride-0) views: a compiled
+    # prefill guards on strides, and a view's strides change with the batch size.
     out = (target_forward or target)(
         tokens,
-        torch.arange(tokens.shape[1], device=device).expand_as(tokens),
-        state.target.attention_inputs(chain_ancestors(*tokens.shape, device)),
+        torch.arange(tokens.shape[1], device=device).repeat(tokens.shape[0], 1),
+        state.target.attention_inputs(chain_ancestors(*tokens.shape, device).contiguous()),
     )
     state.target.append(out.k_new, out.v_new, lengths)
     rows = torch.arange(tokens.shape[0], device=device)
@@ -192,8 +194,8 @@ def _prefill_draft(
     batch, length = tokens.shape
     device = tokens.device
     if length > 1:
-        positions = torch.arange(length - 1, device=device).expand(batch, -1)
-        anc = chain_ancestors(batch, length - 1, device)
+        positions = torch.arange(length - 1, device=device).repeat(batch, 1)
+        anc = chain_ancestors(batch, length - 1, device).contiguous()
         out = draft_forward(
             tokens[:, 1:], features[:, :-1], positions, state.draft.attention_inputs(anc)
         )

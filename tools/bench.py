@@ -3,6 +3,9 @@
 `specrun bench kernels`: rt::tree_attention vs SDPA with the equivalent dense mask vs the memory
 floor, on Llama-3.1-8B attention shapes; one JSON line per point and a summary table.
 
+`specrun bench cold-start`: process start to first token in fresh processes, with and without
+ahead-of-time compile artifacts (tools/cold_start.py).
+
 `specrun bench decode`: plain and speculative rounds per batch bucket with Llama-3.1-8B shapes
 and an EAGLE-3-shaped head (random bf16 weights), against the memory floor.
 
@@ -22,6 +25,7 @@ import torch
 
 from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig
 from ..runtime.tree import TreeShape
+from . import cold_start
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hf.add_argument("--max-new-tokens", type=int, default=256)
     hf.add_argument("--json", default=None, help="also write the JSON line here")
     hf.set_defaults(func=run_hf)
+    cold_start.register(subjects)
 
 
 def _environment() -> dict:
@@ -171,8 +176,9 @@ def run_decode(args: argparse.Namespace) -> int:
 
 
 def format_decode_table(points: list[dict], *, accept_length: float) -> str:
-    """One row per bucket: plain step vs floor, speculative round vs plain step, implied
-    tokens/s at `accept_length` tokens per round, and whether speculation pays."""
+    """One row per bucket: plain step vs floor, speculative round vs plain step (`xplain`, the
+    accepted length at which speculation breaks even), implied tokens/s at `accept_length`
+    tokens per round (capped at the tree's D + 1), and the implied speed-up."""
     plain = {p["bucket"]: p for p in points if p["mode"] == "plain"}
     spec = {p["bucket"]: p for p in points if p["mode"] == "speculative"}
     header = (
@@ -183,7 +189,9 @@ def format_decode_table(points: list[dict], *, accept_length: float) -> str:
     rows = [header, "-" * len(header)]
     for bucket in sorted(set(plain) | set(spec)):
         p, s = plain.get(bucket), spec.get(bucket)
-        spec_tps = bucket * accept_length / s["round_ms"] * 1e3 if s else None
+        # A round emits at most D + 1 tokens, whatever the stated length.
+        length = min(accept_length, s["tree"][0] + 1) if s else None
+        spec_tps = bucket * length / s["round_ms"] * 1e3 if s else None
         ratio = s["round_ms"] / p["round_ms"] if s and p else None
         speedup = spec_tps / p["tokens_per_s"] if s and p else None
         rows.append(

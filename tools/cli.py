@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "convert",
     "bench",
     "export-onnx",
+    "compile",
 )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
+from ..models.default import default_head_dir
 from ..runtime.config import DEFAULT_TREE, DEFAULT_TREES, EngineConfig, SamplingParams
 from ..runtime.engine import Engine
 from ..runtime.tree import TreeShape
@@ -17,7 +19,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("prompt", help="the user message (or raw text with --raw)")
     parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
-    parser.add_argument("--draft", default=None, help="EAGLE draft-head directory: speculate")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
+    )
+    parser.add_argument("--no-draft", action="store_true", help="decode without speculation")
     add_tree_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -41,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     config = EngineConfig(
         device=args.device, dtype=args.dtype, chat_template=not args.raw, trees=tree_table(args)
     )
-    engine = Engine.from_pretrained(args.model, draft=args.draft, config=config)
+    engine = Engine.from_pretrained(args.model, draft=draft_dir(args), config=config)
     for delta in engine.stream(args.prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -49,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
     stats = engine.stats()
     accepted = ""
     if engine.head is not None:
-        accepted = (
-            f", {stats.mean_accepted_length:.2f} tokens/round over {stats.num_rounds} rounds"
-        )
+        accepted = f", {stats.mean_accepted_length:.2f} tokens/round over {stats.num_rounds} rounds"
     print(
         f"[{stats.num_generated_tokens} tokens in {stats.decode_seconds:.2f} s: "
         f"{stats.tokens_per_second:.1f} tok/s{accepted}]",
@@ -59,6 +64,18 @@ def run(args: argparse.Namespace) -> int:
     )
     engine.close()
     return 0
+
+
+def draft_dir(args: argparse.Namespace) -> str | Path | None:
+    """--draft, else the shipped head when the model is the embedded default; --no-draft:
+    none."""
+    if args.no_draft:
+        if args.draft is not None:
+            raise ValueError("--draft and --no-draft contradict each other; pass one")
+        return None
+    if args.draft is None and args.model is None:
+        return default_head_dir()
+    return args.draft
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:

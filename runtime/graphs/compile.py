@@ -9,10 +9,22 @@ calls), installs the pass manager and bounds recompilation:
 - `manager.installed()` patches `post_grad_custom_post_pass` for the duration of the call;
   global config is never modified, so other compilations in the process are unaffected;
 - `torch._dynamo.config.patch(recompile_limit=..., fail_on_recompile_limit_hit=True)`: a
-  step that keeps recompiling raises instead of silently falling back to eager.
+  step that keeps recompiling raises instead of silently falling back to eager;
+- `torch.inference_mode()`: steps are inference only, so a step compiles and runs without
+  autograd whatever the caller's grad mode. With grad enabled and weights that require grad,
+  AOTAutograd would trace a training graph, write a KV cache's update back outside the
+  graph and, when another mutated input is also returned (`KVCache.append` rebinds
+  `lengths`), copy the wrong output into the cache (torch 2.11 and 2.13: "The size of tensor
+  a (128) must match the size of tensor b (8)"; silently, by broadcasting, at batch 1).
 
 `CompiledStep.num_compiles` counts the graphs compiled for the step; every compile past the
 first is logged as a warning (`TORCH_LOGS=recompiles` prints the guard that failed).
+
+Ahead of time (see artifacts.py): `CompiledStep.aot_compile(*args)` compiles the step for
+those arguments exactly as a call would (same options, same passes) with Dynamo's precompile
+(`torch.compile(...).aot_compile`), giving a function that can be saved and loaded in another
+process; `add_precompiled` hands such loaded functions back to a step, which then runs the
+first whose guards pass for a call's arguments and falls back to compiling only when none do.
 
 Nothing here knows a model: the helpers only choose a name and whether shapes are dynamic.
 """
@@ -21,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,15 +66,43 @@ class CompiledStep:
         self.manager = manager
         self.recompile_limit = recompile_limit
         self.num_compiles = 0
-        self._compiled = torch.compile(
-            fn,
+        self.num_precompiled_calls = 0
+        self._precompiled: list[Any] = []
+        self._fn, self._dynamic = fn, dynamic
+        self._options = {**_INDUCTOR_OPTIONS, **options}
+        self._compiled = self._torch_compile()
+
+    def _torch_compile(self) -> Callable[..., Any]:
+        return torch.compile(
+            self._fn,
             fullgraph=True,
-            dynamic=dynamic,
+            dynamic=self._dynamic,
             backend="inductor",
-            options={**_INDUCTOR_OPTIONS, **options},
+            options=self._options,
         )
 
+    def aot_compile(self, *args: Any, **kwargs: Any) -> Any:
+        """Compile ahead of time for these arguments (Dynamo precompile, experimental in torch
+        2.10+); returns a function with `save_compiled_function(path)` and `guard_check`."""
+        with torch._dynamo.config.patch(enable_aot_compile=True):
+            compiled = self._torch_compile()
+            with self._compiling():
+                return compiled.aot_compile((args, kwargs))
+
+    def add_precompiled(self, fns: Sequence[Any]) -> None:
+        """Loaded precompiled functions of this step (guard checks disabled on them: the step
+        checks each one's guards itself before calling it)."""
+        self._precompiled.extend(fns)
+
+    @torch.inference_mode()
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._precompiled:
+            # Loaded under inference mode (artifacts.py): guards hold for calls made under it.
+            with torch.inference_mode():
+                for fn in self._precompiled:
+                    if fn.guard_check(*args, **kwargs):
+                        self.num_precompiled_calls += 1
+                        return fn(*args, **kwargs)
         num_graphs = counters["stats"]["unique_graphs"]
         with self._compiling():
             out = self._compiled(*args, **kwargs)
@@ -74,6 +114,7 @@ class CompiledStep:
     @contextlib.contextmanager
     def _compiling(self) -> Iterator[None]:
         with (
+            torch.inference_mode(),
             self.manager.installed(),
             torch._dynamo.config.patch(
                 recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True

@@ -4,6 +4,8 @@ The round (draft extend, tree expansion with side buffers, verify, accept, commi
 with Inductor as one graph (fullgraph=True); the tree-attention pass fuses every attention of
 the draft and the target; two compiled rounds equal two eager rounds exactly (float64, greedy)
 and the second round reuses the first round's graph. A step that keeps recompiling raises.
+Steps run without autograd even when the caller has grad enabled and the weights require grad
+(`specrun bench decode` compiles its draft phase that way).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import torch
 
 from specrun.runtime.config import SamplingParams
 from specrun.runtime.graphs import compile_round, compile_step
-from specrun.runtime.round import ReportColumns, speculative_round
+from specrun.runtime.kv_cache import KVCache
+from specrun.runtime.round import ReportColumns, draft_phase, speculative_round
 from specrun.runtime.tree import TreeShape
-from tiny_models import TargetAsDraft, prefilled_state, random_llama, tiny_config
+from tiny_models import TargetAsDraft, prefilled_state, random_head, random_llama, tiny_config
 
 # Every compile must really run: cached graphs would skip the passes.
 pytestmark = pytest.mark.usefixtures("uncached_compiles")
@@ -79,3 +82,49 @@ def test_recompiles_are_bounded_and_config_is_left_alone():
         step(torch.ones(3))
     assert step.num_compiles == 1
     assert torch._inductor.config.post_grad_custom_post_pass is None
+
+
+def _append_step(weight, cache, x):
+    """Appends weight-derived K/V (they need grad outside no_grad) to a KV cache."""
+    k_new = (x @ weight).view(1, 3, 2, 1, 4)
+    cache.append(k_new, -k_new, torch.ones_like(cache.lengths))
+    return cache.lengths * 2
+
+
+def _cache() -> KVCache:
+    k, v = torch.zeros(1, 3, 2, 5, 4), torch.zeros(1, 3, 2, 5, 4)
+    return KVCache(k, v, torch.tensor([0, 2, 1]))
+
+
+def test_a_step_called_with_grad_enabled_mutates_its_state_exactly_like_eager():
+    """With grad enabled, AOTAutograd used to build a training graph and copy the mutated
+    lengths [3] into the K cache [..., 4] ("The size of tensor a (4) must match the size of
+    tensor b (3)"); at batch 8 with head dim 128, `bench decode`'s draft phase failed so."""
+    weight = torch.nn.Parameter(torch.randn(5, 8, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    compiled, eager = _cache(), _cache()
+    step = compile_step(_append_step, name="append")
+    with torch.enable_grad():
+        got = step(weight, compiled, x)
+    want = _append_step(weight, eager, x)
+    assert torch.equal(got, want) and not got.requires_grad
+    for name in ("k", "v", "lengths"):
+        assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+
+
+def test_draft_phase_compiled_with_grad_enabled_matches_eager():
+    """The call that failed on the GPU: an EAGLE-3 head's draft phase (extend, expansion,
+    rerank) compiled outside inference mode, batch 3 != head dim 8."""
+    target = random_llama(tiny_config(), dtype=torch.float64)
+    head = random_head("eagle3", target)
+    shape = TreeShape(2, 2, 3)
+    eager = _state(target, head, shape)
+    compiled = copy.deepcopy(eager)
+    with torch.enable_grad():
+        got = compile_step(draft_phase, name="draft_phase")(head, compiled, shape)
+    want = draft_phase(head, eager, shape)
+    for name in ("tokens", "parent", "depth", "anc"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(compiled.draft.lengths, eager.draft.lengths)
+    torch.testing.assert_close(compiled.draft.k, eager.draft.k)
+    torch.testing.assert_close(compiled.draft.v, eager.draft.v)

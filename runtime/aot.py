@@ -1,0 +1,157 @@
+"""Ahead-of-time compile artifacts for a Decoder: what to compile, what must match, loading.
+
+`build` compiles everything a decoder will run, inside a private recording scope
+(runtime/graphs/artifacts.py), and writes the artifact directory:
+
+- every bucket's prefill (the prompt forwards of the target and the draft head; dynamic
+  shapes, so one prompt of 1, 2 and 3 tokens per bucket covers the size-1 specialisations)
+  and every bucket's round in both sampling variants (plain and top-k/top-p), as
+  `Decoder.warmup` compiles them, CUDA graphs included;
+- each round variant again through Dynamo's precompile (`CompiledStep.aot_compile`), so that
+  loading skips Dynamo tracing for the rounds as well.
+
+`expected_manifest` is the decoder's fingerprint: torch / triton / Python, device, dtype,
+model and head configs, buckets and their trees, KV capacity, CUDA graphs on or off, and the
+specrun source of the steps. `load_into` verifies an artifact directory against it (a
+mismatch is a ValueError naming the field and the command that rebuilds), loads the caches
+and precompiled steps into the process and warms the decoder up from them: no Inductor
+lowering, no Triton compilation or autotuning, and no Dynamo tracing for precompiled rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shlex
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import DEFAULT_TREES, EngineConfig, SamplingParams
+from .decoder import Decoder
+from .graphs import artifacts
+from .graphs.artifacts import LoadedArtifacts, Manifest
+from .tree import TreeShape
+
+logger = logging.getLogger(__name__)
+
+# Prompt lengths compiled for every bucket's prefill: 1 (no draft prefill), 2 (a draft
+# prefill of length 1) and 3 (general lengths); dynamic shapes cover longer prompts.
+PREFILL_LENGTHS = (1, 2, 3)
+
+
+def artifact_config(config: EngineConfig) -> EngineConfig:
+    """The config with compilation on (artifacts are compiled code)."""
+    if config.compile is False:
+        raise ValueError("artifacts hold compiled steps: use EngineConfig(compile=True or None)")
+    return dataclasses.replace(config, compile=True)
+
+
+def expected_manifest(decoder: Decoder) -> Manifest:
+    """What artifacts for this decoder must have been built for."""
+    target, head, config = decoder.target, decoder.head, decoder.config
+    return artifacts.current_manifest(
+        device=decoder.device,
+        dtype=target.lm_head.weight.dtype,
+        model=(target.config, tuple(target.tap_layers)),
+        head=None if head is None else (type(head).__name__, head.config),
+        buckets=config.buckets,
+        trees=[decoder.tree_for(bucket) for bucket in config.buckets],
+        max_seq_len=config.max_seq_len,
+        cuda_graphs=decoder.use_graphs,
+    )
+
+
+def compile_command(
+    *, model_dir: str | Path | None, draft: str | Path | None, config: EngineConfig, out: str | Path
+) -> str:
+    """The `specrun compile` command line that builds artifacts for this setup."""
+    args = ["specrun", "compile"]
+    if model_dir is not None:
+        args += ["--model", str(model_dir)]
+    if draft is not None:
+        args += ["--draft", str(draft)]
+    args += ["--buckets", *map(str, config.buckets), "--max-seq-len", str(config.max_seq_len)]
+    args += ["--device", config.device, "--dtype", config.dtype]
+    if config.cuda_graphs is False:
+        args.append("--no-cuda-graphs")
+    trees, note = dict(config.trees), ""
+    if trees != dict(DEFAULT_TREES):
+        shape = next(iter(trees.values()))
+        if len(trees) == 1 and isinstance(shape, TreeShape):
+            args += ["--tree", str(shape.depth), str(shape.topk), str(shape.num_nodes)]
+        else:
+            note = " (with this EngineConfig's trees: specrun.runtime.aot.build from Python)"
+    return shlex.join([*args, "--out", str(out)]) + note
+
+
+def build(
+    decoder: Decoder,
+    out: str | Path,
+    *,
+    filtered: bool = True,
+    precompile: bool = True,
+    progress: bool = False,
+    command: str = "",
+) -> Manifest:
+    """Compile every step of `decoder` and write the artifacts to `out` (replacing what was
+    there once complete). Resets Dynamo's in-process state (and the decoder, if it was
+    warmed up). Returns the written manifest.
+
+    filtered: also compile the top-k/top-p variant of every round.
+    precompile: also save the rounds precompiled by Dynamo (loading then skips tracing).
+    """
+    current = expected_manifest(decoder)
+    if decoder.warmups:
+        decoder.close()  # prepared steps would not be compiled (and recorded) again
+    with artifacts.recording() as recording, torch.inference_mode():
+        decoder.warmup(filtered=filtered, progress=progress)
+        buckets = decoder.config.buckets
+        shapes = [(b, n) for b in reversed(buckets) for n in PREFILL_LENGTHS]
+        for bucket, length in tqdm(shapes, desc="prefill", unit="shape", disable=not progress):
+            for _ in decoder.stream([[0] * length] * bucket, SamplingParams(max_new_tokens=1)):
+                pass
+        if precompile:
+            keys = [(b, f) for b in reversed(buckets) for f in sorted({False, filtered})]
+            for bucket, variant in tqdm(
+                keys, desc="precompile", unit="graph", disable=not progress
+            ):
+                step = decoder.round_step(bucket, filtered=variant)
+                name = f"{step.func.name}-b{bucket}-{'filtered' if variant else 'plain'}"
+                recording.steps[name] = step.func.aot_compile(*step.args)
+        manifest = dataclasses.replace(current, filtered=filtered, command=command)
+        return artifacts.save(recording, out, manifest)
+
+
+def is_up_to_date(
+    decoder: Decoder, out: str | Path, *, filtered: bool = True, precompile: bool = True
+) -> bool:
+    """Whether `out` holds intact artifacts for this decoder with at least what `build` would
+    write with these options (so building again can be skipped)."""
+    if not artifacts.is_up_to_date(out, expected_manifest(decoder)):
+        return False
+    found = artifacts.read_manifest(out, rebuild="")
+    return (found.filtered or not filtered) and (bool(found.precompiled) or not precompile)
+
+
+def load_into(
+    decoder: Decoder,
+    path: str | Path,
+    *,
+    rebuild: str,
+    warmup: bool = True,
+    filtered: bool | None = None,
+    progress: bool = False,
+) -> LoadedArtifacts:
+    """Verify `path` against the decoder (ValueError naming what differs; `rebuild` is the
+    command that rebuilds), load the artifacts and, with `warmup`, prepare every bucket from
+    them (`filtered`: the top-k/top-p variants too; default: if the artifacts have them)."""
+    loaded = artifacts.load_artifacts(
+        path, expected_manifest(decoder), rebuild=f"rebuild with `{rebuild}`"
+    )
+    decoder.add_precompiled(loaded.steps)
+    if warmup:
+        variant = loaded.manifest.filtered if filtered is None else filtered
+        decoder.warmup(filtered=variant, progress=progress)
+    return loaded

@@ -1,0 +1,215 @@
+"""Ahead-of-time compile artifacts: runtime/graphs/artifacts.py, runtime/aot.py, `specrun compile`.
+
+A tiny model's steps are compiled to artifacts in one process and loaded in a fresh one
+(artifacts_child.py) whose Inductor cache holds nothing compiled: the loading process decodes
+exactly what the compiling process decoded with its JIT-compiled steps, compiles nothing with
+Inductor (every FX graph is a cache hit) and runs every round from the precompiled steps
+(no Dynamo trace). Artifacts built for another torch, device, dtype, model or table, and
+damaged ones, are refused with a ValueError naming what differs and how to rebuild.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specrun.models.loading import load_target, save_target
+from specrun.runtime import aot
+from specrun.runtime.config import EngineConfig
+from specrun.runtime.decoder import Decoder
+from specrun.runtime.engine import Engine
+from specrun.runtime.graphs import artifacts
+from specrun.runtime.tree import TreeShape
+from specrun.tools import cli
+from tiny_models import random_llama, tiny_config
+
+CHILD = Path(__file__).with_name("artifacts_child.py")
+# What artifacts_child.py builds with by default.
+CONFIG = EngineConfig(
+    device="cpu",
+    dtype="float32",
+    buckets=(1,),
+    trees={1: TreeShape(2, 2, 4)},
+    max_seq_len=64,
+    compile=True,
+)
+
+
+def run_child(mode: str, root: Path, *extra: str, cache: Path) -> dict:
+    """Run artifacts_child.py in a fresh process with its own Inductor cache directory."""
+    command = [sys.executable, str(CHILD), mode, "--model", str(root / "model")]
+    command += ["--out", str(root / "artifacts"), *extra]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(root with model/ and artifacts/, the Inductor cache the children share, the compiling
+    process's report). The build compiles into a private directory, so the shared cache
+    holds only Inductor's CPU probes, never a compiled graph."""
+    root = tmp_path_factory.mktemp("aot")
+    save_target(random_llama(tiny_config(num_layers=1)), root / "model")
+    cache = root / "inductor-cache"
+    return root, cache, run_child("build", root, cache=cache)
+
+
+def test_a_fresh_process_decodes_like_the_jit_path_without_compiling(built):
+    root, cache, jit = built
+    assert not (cache / "fxgraph").exists(), "the build must not compile into the shared cache"
+    loaded = run_child("load", root, cache=cache)
+    assert loaded["outputs"] == jit["outputs"]
+    assert jit["round_compiles"] >= 1 and jit["counters"]["fxgraph_cache_miss"] > 0
+    counters = loaded["counters"]
+    assert counters["fxgraph_cache_miss"] == 0 and counters["fxgraph_cache_hit"] > 0
+    assert loaded["round_compiles"] == 0 and loaded["round_precompiled_calls"] > 0
+
+
+def test_the_manifest_records_what_was_built(built):
+    root, _, _ = built
+    manifest = artifacts.read_manifest(root / "artifacts", rebuild="")
+    assert manifest.torch == torch.__version__ and manifest.device == "cpu"
+    assert manifest.dtype == "float32" and manifest.buckets == (1,)
+    assert manifest.trees == ("none",) and manifest.head is None  # no head: plain decoding
+    assert manifest.precompiled == ("decode-b1-plain",)
+    names = {name for name, _ in manifest.files}
+    assert {"compile_cache.bin", "cpu_kernels.zip", "steps/decode-b1-plain.bin"} <= names
+    artifacts.check_files(root / "artifacts", manifest, rebuild="")
+
+
+def _decoder(root: Path, config: EngineConfig = CONFIG, **model_overrides) -> Decoder:
+    if model_overrides:
+        target = random_llama(tiny_config(num_layers=1, **model_overrides))
+    else:
+        target = load_target(root / "model", dtype=config.resolved_dtype(), device="cpu")
+    return Decoder(target, None, config)
+
+
+def _copy(built, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(built[0] / "artifacts", copy)
+    return copy
+
+
+def test_artifacts_for_another_torch_are_refused_with_the_rebuild_command(built, tmp_path):
+    copy = _copy(built, tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps(manifest | {"torch": "0.0.0"}))
+    rebuild = "specrun compile --model m --out x"
+    expected = (
+        f"artifacts in {copy} were built for torch='0.0.0' but this process has "
+        f"'{torch.__version__}'; rebuild with `{rebuild}`"
+    )
+    with pytest.raises(ValueError) as error:
+        aot.load_into(_decoder(built[0]), copy, rebuild=rebuild)
+    assert str(error.value) == expected
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"buckets": (1, 2)}, "buckets=(1,) but this process has (1, 2)"),
+        ({"dtype": "bfloat16"}, "dtype='float32' but this process has 'bfloat16'"),
+        ({"max_seq_len": 96}, "max_seq_len=64 but this process has 96"),
+        ({"model": {"hidden_size": 48}}, "model="),
+    ],
+)
+def test_artifacts_for_another_setup_are_refused(built, change, message):
+    change = dict(change)
+    model = change.pop("model", None)
+    config = dataclasses.replace(CONFIG, **change)
+    decoder = _decoder(built[0], config, **(model or {}))
+    with pytest.raises(ValueError, match="were built for") as error:
+        aot.load_into(decoder, built[0] / "artifacts", rebuild="specrun compile ...")
+    assert message in str(error.value) and "rebuild with `specrun compile ...`" in str(error.value)
+
+
+def test_damaged_or_missing_artifacts_are_refused(built, tmp_path):
+    copy = _copy(built, tmp_path)
+    data = bytearray((copy / "compile_cache.bin").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / "compile_cache.bin").write_bytes(bytes(data))
+    decoder = _decoder(built[0])
+    with pytest.raises(ValueError, match=r"are damaged: compile_cache.bin .* rebuild with `x`"):
+        aot.load_into(decoder, copy, rebuild="x")
+    with pytest.raises(ValueError, match=r"holds no specrun artifacts .* rebuild with `x`"):
+        aot.load_into(decoder, tmp_path / "nothing", rebuild="x")
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable manifest"):
+        aot.load_into(decoder, copy, rebuild="x")
+
+
+def test_compile_command_is_idempotent(built, capsys):
+    root, _, _ = built
+    args = ["compile", "--model", str(root / "model"), "--out", str(root / "artifacts")]
+    args += ["--device", "cpu", "--dtype", "float32", "--buckets", "1", "--tree", "2", "2", "4"]
+    args += ["--max-seq-len", "64", "--skip-filtered"]
+    assert cli.main(args) == 0
+    assert "is up to date" in capsys.readouterr().out
+
+
+def test_save_replaces_the_directory_whole(tmp_path, monkeypatch):
+    """A second save swaps in a complete new directory and leaves no staging directory."""
+    payloads = iter([b"first", b"second"])
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (next(payloads), None))
+    manifest = artifacts.current_manifest(
+        device=torch.device("cpu"), dtype=torch.float32, model=("m",), head=None,
+        buckets=(1,), trees=(None,), max_seq_len=8, cuda_graphs=False,
+    )  # fmt: skip
+    out = tmp_path / "out"
+    for payload in (b"first", b"second"):
+        with artifacts.recording() as recording:
+            written = artifacts.save(recording, out, manifest)
+        artifacts.check_files(out, written, rebuild="")
+        assert (out / "compile_cache.bin").read_bytes() == payload
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert artifacts.is_up_to_date(out, manifest)
+    assert not artifacts.is_up_to_date(out, dataclasses.replace(manifest, dtype="x"))
+
+
+def test_engine_refuses_artifacts_with_compilation_off(tmp_path):
+    config = EngineConfig(device="cpu", compile=False)
+    with pytest.raises(ValueError, match="compile=True"):
+        Engine.from_pretrained(tmp_path, config=config, artifacts=tmp_path)
+
+
+def test_compile_command_renders_the_engine_config():
+    config = EngineConfig(buckets=(1, 2), trees={1: TreeShape(2, 2, 4)}, max_seq_len=128)
+    command = aot.compile_command(model_dir="m", draft="d", config=config, out="o")
+    assert command == (
+        "specrun compile --model m --draft d --buckets 1 2 --max-seq-len 128 --device auto "
+        "--dtype auto --tree 2 2 4 --out o"
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_engine_starts_from_artifacts_in_a_fresh_process(smollm_dir, tmp_path):
+    """The embedded model with a random EAGLE-3 head, bf16, CUDA graphs, two buckets and both
+    sampling variants: built in one process, served by Engine.from_pretrained(artifacts=...)
+    in another, token for token the same."""
+    from specrun.models.loading import save_draft
+    from tiny_models import random_head
+
+    target = load_target(smollm_dir, dtype=torch.float32, device="cpu")
+    save_draft(random_head("eagle3", target), tmp_path / "head")
+    (tmp_path / "model").symlink_to(smollm_dir)
+    extra = ["--draft", str(tmp_path / "head"), "--device", "cuda", "--dtype", "bfloat16"]
+    extra += ["--buckets", "1", "2", "--tree", "3", "4", "8", "--max-seq-len", "256"]
+    extra += ["--filtered"]
+    cache = tmp_path / "inductor-cache"
+    jit = run_child("build", tmp_path, *extra, cache=cache)
+    assert not (cache / "fxgraph").exists()
+    loaded = run_child("load", tmp_path, *extra, "--engine", cache=cache)
+    assert loaded["outputs"] == jit["outputs"]
+    assert loaded["counters"]["fxgraph_cache_miss"] == 0
+    assert loaded["round_compiles"] == 0 and loaded["round_precompiled_calls"] > 0

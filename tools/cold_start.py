@@ -1,0 +1,211 @@
+"""`specrun bench cold-start`: process start to first token, with and without artifacts.
+
+Every point runs in a fresh Python process (`python -m specrun.tools.cold_start --child
+SPEC`) with its own empty Inductor cache directory (unless `--warm-cache`), so nothing that
+was compiled earlier on the machine is reused except what the artifacts bring. Modes:
+
+- `jit`: compile everything in the process (Dynamo, Inductor, Triton, autotuning);
+- `build`: compile and write the artifacts (what `specrun compile` does), timed the same way;
+  run automatically before `artifacts` when `--artifacts` holds none for this setup;
+- `artifacts`: verify and load the artifacts, then prepare every bucket from them.
+
+Each point is one JSON line; times are seconds since the parent launched the child:
+`import_s` (Python, torch and specrun imported), `weights_s` (model and head loaded from the
+directory, or built with random weights), `artifacts_s` (loaded; build mode: written),
+`warmup_s` (every bucket compiled or loaded, CUDA graphs captured), `first_token_s` (one
+prompt prefilled and its first token on the host), `first_round_s` (the first decoding round
+after it), with the step durations (`*_step_s`) and the process's compile counters. The
+models are driven through the Decoder the Engine runs (the Engine adds only the tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+# The arguments a child process needs.
+SPEC_KEYS = (
+    "model", "draft", "random_8b", "plain", "artifacts", "buckets", "tree", "max_seq_len",
+    "device", "dtype", "prompt_len", "filtered", "no_precompile",
+)  # fmt: skip
+
+
+def register(subjects: argparse._SubParsersAction) -> None:
+    """Add `cold-start` to `specrun bench`."""
+    parser = subjects.add_parser(
+        "cold-start", help="process start to first token, with and without compile artifacts"
+    )
+    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
+    parser.add_argument("--draft", default=None, help="EAGLE draft-head directory")
+    parser.add_argument(
+        "--random-8b",
+        action="store_true",
+        help="Llama-3.1-8B shapes with random bf16 weights and an EAGLE-3-shaped head",
+    )
+    parser.add_argument("--plain", action="store_true", help="--random-8b without a head")
+    parser.add_argument("--artifacts", default=None, help="artifact directory (built if needed)")
+    parser.add_argument(
+        "--modes", nargs="+", default=None, choices=["jit", "build", "artifacts"],
+        help="default: jit, plus artifacts with --artifacts",
+    )  # fmt: skip
+    parser.add_argument("--buckets", type=int, nargs="+", default=[1])
+    parser.add_argument("--tree", type=int, nargs=3, default=None, metavar=("D", "K", "N"))
+    parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--filtered", action="store_true", help="top-k/top-p variants too")
+    parser.add_argument("--no-precompile", action="store_true", help="build: caches only")
+    parser.add_argument("--repeat", type=int, default=1, help="points per mode")
+    parser.add_argument("--warm-cache", action="store_true", help="share the Inductor cache")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per child")
+    parser.add_argument("--json", default=None, help="also write the JSON lines here")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = args.modes or (["jit", "artifacts"] if args.artifacts else ["jit"])
+    if ("build" in modes or "artifacts" in modes) and not args.artifacts:
+        raise ValueError("modes build and artifacts need --artifacts DIR")
+    spec = {key: getattr(args, key) for key in SPEC_KEYS}
+    if "artifacts" in modes and "build" not in modes and not _has_artifacts(args.artifacts):
+        modes = ["build", *modes]
+    sink = open(args.json, "w") if args.json else None  # noqa: SIM115
+    try:
+        for mode in modes:
+            for _ in range(1 if mode == "build" else args.repeat):
+                point = _launch(spec | {"mode": mode}, args)
+                line = json.dumps(point)
+                print(line, flush=True)
+                if sink:
+                    print(line, file=sink, flush=True)
+    finally:
+        if sink:
+            sink.close()
+    return 0
+
+
+def _has_artifacts(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+def _launch(spec: dict, args: argparse.Namespace) -> dict:
+    """Run one point in a fresh process; returns its JSON report (or the failure)."""
+    with tempfile.TemporaryDirectory(prefix="specrun-cold-") as cache:
+        env = dict(os.environ)
+        if not args.warm_cache:
+            env["TORCHINDUCTOR_CACHE_DIR"] = cache
+            env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+        launched = time.time()
+        command = [sys.executable, "-m", "specrun.tools.cold_start", "--child"]
+        command.append(json.dumps(spec | {"launched": launched}))
+        try:
+            done = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=args.timeout
+            )
+        except subprocess.TimeoutExpired:
+            return {"mode": spec["mode"], "error": f"timed out after {args.timeout} s"}
+        exit_s = time.time() - launched
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"mode": spec["mode"], "error": done.stderr.strip().splitlines()[-20:]}
+    return json.loads(lines[-1]) | {"exit_s": exit_s}
+
+
+def _child(spec: dict) -> dict:
+    """One point, inside the fresh process."""
+    launched = spec["launched"]
+    marks: dict[str, float] = {}
+
+    def mark(name: str) -> None:
+        marks[name] = time.time() - launched
+
+    import torch
+
+    from ..runtime import aot
+    from ..runtime.config import DEFAULT_TREES, EngineConfig, SamplingParams
+    from ..runtime.decoder import Decoder
+    from ..runtime.graphs.artifacts import compile_counters
+    from ..runtime.tree import TreeShape
+
+    mark("import_s")
+    trees = {1: TreeShape(*spec["tree"])} if spec["tree"] else DEFAULT_TREES
+    config = EngineConfig(
+        device=spec["device"], dtype=spec["dtype"], buckets=tuple(spec["buckets"]),
+        trees=trees, max_seq_len=spec["max_seq_len"], compile=True,
+    )  # fmt: skip
+    target, head, model_name = _models(spec, config)
+    _sync(torch)
+    mark("weights_s")
+    decoder = Decoder(target, head, config)
+    mode, path = spec["mode"], spec["artifacts"]
+    if mode == "build":
+        aot.build(decoder, path, filtered=spec["filtered"], precompile=not spec["no_precompile"])
+        mark("artifacts_s")
+    elif mode == "artifacts":
+        rebuild = "specrun bench cold-start ... --modes build (same arguments)"
+        aot.load_into(decoder, path, rebuild=rebuild, warmup=False)
+        mark("artifacts_s")
+    decoder.warmup(filtered=spec["filtered"])
+    _sync(torch)
+    mark("warmup_s")
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.config.vocab_size, (spec["prompt_len"],), generator=generator)
+    names = iter(("first_token_s", "first_round_s"))
+    for _step in decoder.stream([prompt.tolist()], SamplingParams(max_new_tokens=2)):
+        mark(next(names, "last_round_s"))
+    order = [name for name in ("import_s", "weights_s", "artifacts_s", "warmup_s") if name in marks]
+    order.append("first_token_s")
+    steps = {
+        f"{name.removesuffix('_s')}_step_s": marks[name] - (marks[prev] if prev else 0.0)
+        for prev, name in zip([None, *order], order, strict=False)
+    }
+    return {
+        "mode": mode,
+        "model": model_name,
+        "draft": head is not None,
+        "buckets": list(config.buckets),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        **marks,
+        **steps,
+        **compile_counters(),
+    }
+
+
+def _models(spec: dict, config):
+    """(target, head or None, a name) as the point asks: random Llama-3.1-8B shapes, or a
+    directory loaded like Engine.from_pretrained loads it."""
+    if spec["random_8b"]:
+        from .decode_bench import LLAMA_31_8B, random_eagle3_head, random_target
+
+        dtype, device = config.resolved_dtype(), str(config.resolved_device())
+        target = random_target(LLAMA_31_8B, device=device, dtype=dtype)
+        head = None if spec["plain"] else random_eagle3_head(
+            target, draft_vocab_size=32000, dtype=dtype
+        )  # fmt: skip
+        return target, head, "Llama-3.1-8B shapes, random weights"
+    from ..models.default import default_model_dir
+    from ..models.loading import load_draft, load_target
+
+    model_dir = spec["model"] or default_model_dir()
+    target = load_target(model_dir, dtype=config.resolved_dtype(), device=config.resolved_device())
+    head = load_draft(spec["draft"], target=target) if spec["draft"] else None
+    return target, head, str(model_dir)
+
+
+def _sync(torch) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(json.dumps(_child(json.loads(sys.argv[2]))), flush=True)
+    else:
+        sys.exit("usage: specrun bench cold-start ... (this module's --child is internal)")
