@@ -23,6 +23,7 @@ from ..runtime.distill.data import (
     load_sequences,
     read_prompts,
 )
+from ..runtime.distill.self_instruct import self_instruct_prompts
 from ..runtime.distill.trainer import TrainConfig, checkpoint_sequences_path, train_draft
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompts", required=True, help='JSONL of {"prompt": ...} lines, or builtin:train'
     )
     parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument(
+        "--self-instruct",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N prompts the model writes itself on vocabulary topics (broader data)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256, help="response length")
     parser.add_argument("--temperature", type=float, default=0.0, help="responses: 0 = greedy")
     parser.add_argument("--raw", action="store_true", help="no chat template")
@@ -130,8 +138,17 @@ def run(args: argparse.Namespace) -> int:
 def _self_distilled(args: argparse.Namespace, target, model_dir):
     prompts = read_prompts(args.prompts)[: args.max_prompts]
     tokenizer = None
-    if any(isinstance(p, str) for p in prompts):
+    if args.self_instruct or any(isinstance(p, str) for p in prompts):
         tokenizer = Tokenizer.from_dir(model_dir)
+    if args.self_instruct:
+        print(f"writing {args.self_instruct} self-instruct prompts")
+        prompts += self_instruct_prompts(
+            target,
+            tokenizer,
+            num_prompts=args.self_instruct,
+            seed=args.seed,
+            batch_size=args.generate_batch_size,
+        )
     encoded = encode_prompts(prompts, tokenizer, chat_template=not args.raw)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
     print(f"generating responses to {len(encoded)} prompts (up to {args.max_new_tokens} tokens)")

@@ -211,3 +211,10 @@ def builtin_prompts(split: str, *, num_prompts: int | None = None, seed: int = 0
     prompts = [t.format(s=s) for t in templates for s in subjects]
     random.Random(seed).shuffle(prompts)
     return prompts[:num_prompts] if num_prompts is not None else prompts
+
+
+def heldout_words() -> frozenset[str]:
+    """Every lower-case word of the held-out templates and subjects, so prompt sources built
+    elsewhere (self_instruct.py) can stay clear of the evaluation split."""
+    text = " ".join((*_HELDOUT_TEMPLATES, *_HELDOUT_SUBJECTS)).lower()
+    return frozenset("".join(c if c.isalpha() else " " for c in text).split())
