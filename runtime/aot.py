@@ -4,7 +4,7 @@
 (runtime/graphs/artifacts.py), and writes the artifact directory:
 
 - every bucket's prefill (the prompt forwards of the target and the draft head; dynamic
-  shapes, so one prompt of 1, 2 and 3 tokens per bucket covers the size-1 specialisations)
+  shapes, and prompts padded to 3 tokens, so one prompt per bucket covers every length)
   and every bucket's round in both sampling variants (plain and top-k/top-p), as
   `Decoder.warmup` compiles them, CUDA graphs included;
 - each round variant again through Dynamo's precompile (`CompiledStep.aot_compile`), so that
@@ -36,9 +36,9 @@ from .tree import TreeShape
 
 logger = logging.getLogger(__name__)
 
-# Prompt lengths compiled for every bucket's prefill: 1 (no draft prefill), 2 (a draft
-# prefill of length 1) and 3 (general lengths); dynamic shapes cover longer prompts.
-PREFILL_LENGTHS = (1, 2, 3)
+# Prompt lengths compiled for every bucket's prefill: the prefill pads prompts to at least 3
+# tokens (no size-1 specialisation, see prefill.py) and dynamic shapes cover longer prompts.
+PREFILL_LENGTHS = (1,)
 
 
 def artifact_config(config: EngineConfig) -> EngineConfig:

@@ -83,9 +83,10 @@ class Decoder:
             num_graphs = 2 * len(config.buckets) + 2  # with and without top-k/top-p
             self._round = compile_round(speculative_round, recompile_limit=num_graphs)
             self._decode = compile_step(decode_round, name="decode", recompile_limit=num_graphs)
-            # Prefills are dynamic, yet a bucket's KV view into the shared store has strides
-            # a fresh tensor would not, and batch 1 specialises: up to 4 graphs per bucket.
-            num_prefills = 4 * len(config.buckets) + 4
+            # Prefills are dynamic: one graph for batch 1 and one for larger batches, whatever
+            # the buckets and prompt lengths (see prefill.py); the limit keeps the rounds'
+            # slack because the two-graph count has only been checked on the CPU so far.
+            num_prefills = num_graphs
             self._prefill_target = compile_prefill(target, recompile_limit=num_prefills)
             self._prefill_draft = (
                 compile_prefill(head, recompile_limit=num_prefills) if head is not None else None

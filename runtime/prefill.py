@@ -6,6 +6,21 @@ resets every per-slot field, runs the target over the right-padded prompts (dyna
 outside any graph), samples the root token, fills the draft cache with the pairs
 (token j+1, feature j) of the prompt and leaves (root, last feature) pending for the first
 round's draft extend.
+
+Compiled prefills (`compile_prefill`, dynamic shapes) compile one graph for batch 1 and one
+for every larger batch, whatever the prompt lengths and buckets, because every input they see
+is shaped the same way (tests/runtime/test_prefill_compiles.py):
+- the forwards attend to a fresh empty cache (capacity 1, length 0) instead of the bucket's
+  view of the shared store: a prefill starts from an empty cache anyway, and the view's layer
+  stride (sized for the largest bucket) would make Dynamo guard on whether the view is
+  contiguous, i.e. on the bucket;
+- the batch, length and bitmask-word dims are marked dynamic explicitly (`_mark_dynamic`).
+  Left to `dynamic=True` they are duck-sized: a dim shares the symbol of any other input dim
+  of equal value (layers, KV heads, ...), and when that one is specialised (by an op against a
+  weight) the batch or prompt length is specialised with it;
+- prompts are padded to _MIN_PREFILL_TOKENS columns and bitmasks to _MIN_MASK_WORDS words, so
+  no length (target T, draft T - 1) or word count is ever 1: Dynamo specialises sizes 0 and 1.
+  Padding is invisible to the valid positions (causal) and beyond each slot's length.
 """
 
 from __future__ import annotations
@@ -16,13 +31,18 @@ import torch
 
 from ..models.attention import chain_ancestors
 from ..models.eagle import DraftHead
-from ..models.llama import Llama
+from ..models.llama import AttentionInputs, Llama
 from .config import SamplingParams
 from .draft import PendingPairs
 from .kv_cache import KVCache
 from .requests import stop_mask
 from .round import FINISH_NONE, SpecState, emit, round_report
 from .sampling import SamplingTensors, sample, target_probs
+
+# Prompt columns the forwards see at least (target T >= 3, draft T - 1 >= 2) and int64 words
+# of their ancestor bitmasks (>= 2): no dynamic size is 0 or 1, so none is specialised.
+_MIN_PREFILL_TOKENS = 3
+_MIN_MASK_WORDS = 2
 
 
 def state_capacity(prompt_length: int, max_new_tokens: int, depth: int) -> int:
@@ -122,13 +142,9 @@ def prefill(
     device = state.root.device
     tokens, lengths = _prompt_tensors(prompts, device)
     _reset(state, params, eos_token_ids, vocab_size=target.config.vocab_size)
-    # Positions and masks are materialised, not broadcast (stride-0) views: a compiled
-    # prefill guards on strides, and a view's strides change with the batch size.
-    out = (target_forward or target)(
-        tokens,
-        torch.arange(tokens.shape[1], device=device).repeat(tokens.shape[0], 1),
-        state.target.attention_inputs(chain_ancestors(*tokens.shape, device).contiguous()),
-    )
+    positions = _positions(*tokens.shape, device)
+    attn = _empty_cache_inputs(state.target, _prompt_ancestors(*tokens.shape, device))
+    out = (target_forward or target)(*_mark_dynamic(tokens, positions, attn))
     state.target.append(out.k_new, out.v_new, lengths)
     rows = torch.arange(tokens.shape[0], device=device)
     last = out.hidden[rows, lengths - 1]
@@ -144,8 +160,9 @@ def prefill(
 def _prompt_tensors(
     prompts: Sequence[Sequence[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded tokens [B, T] and lengths [B], copied from pinned memory without a sync."""
-    length = max(map(len, prompts))
+    """Right-padded tokens [B, T] (T >= _MIN_PREFILL_TOKENS) and lengths [B], copied from
+    pinned memory without a sync."""
+    length = max(_MIN_PREFILL_TOKENS, *map(len, prompts))
     tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
     for slot, prompt in enumerate(prompts):
         tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
@@ -194,11 +211,15 @@ def _prefill_draft(
     batch, length = tokens.shape
     device = tokens.device
     if length > 1:
-        positions = torch.arange(length - 1, device=device).repeat(batch, 1)
-        anc = chain_ancestors(batch, length - 1, device).contiguous()
-        out = draft_forward(
-            tokens[:, 1:], features[:, :-1], positions, state.draft.attention_inputs(anc)
-        )
+        positions = _positions(batch, length - 1, device)
+        attn = _empty_cache_inputs(state.draft, _prompt_ancestors(batch, length - 1, device))
+        # Fresh copies, not views: a view's base would be a graph input with unmarked dims
+        # (`contiguous()` would keep a batch-1 view: its size-1 dim makes it contiguous).
+        shifted = [
+            x.clone(memory_format=torch.contiguous_format)
+            for x in (tokens[:, 1:], features[:, :-1])
+        ]
+        out = draft_forward(*_mark_dynamic(*shifted, positions, attn))
         state.draft.append(out.k_new, out.v_new, lengths - 1)
     rows = torch.arange(batch, device=device)
     pending = state.pending
@@ -207,3 +228,46 @@ def _prefill_draft(
     pending.features.zero_()
     pending.features[:, 0] = features[rows, lengths - 1]
     pending.num_valid.fill_(1)
+
+
+def _positions(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """Positions [B, T] 0..T-1, materialised: a compiled prefill guards on strides, and a
+    broadcast (stride-0) view's strides change with the batch size."""
+    return torch.arange(length, device=device).repeat(batch, 1)
+
+
+def _prompt_ancestors(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """Causal ancestor bitmask [B, T, W] (a fresh tensor, W >= _MIN_MASK_WORDS: the extra
+    words are zero, bits of keys past T that are never read)."""
+    chain = chain_ancestors(batch, length, device)
+    num_words = max(_MIN_MASK_WORDS, chain.shape[-1])
+    anc = torch.zeros(batch, length, num_words, dtype=torch.int64, device=device)
+    anc[..., : chain.shape[-1]] = chain
+    return anc
+
+
+def _empty_cache_inputs(cache: KVCache, anc: torch.Tensor) -> AttentionInputs:
+    """Attention inputs over an empty cache shaped like `cache` but for one position, zeroed
+    (masked out by length 0, and finite so the masked scores stay -inf): a prefill attends to
+    its prompt only. Fresh tensors, unlike the bucket's views of the shared store."""
+    num_layers, batch, num_heads, _, head_dim = cache.k.shape
+    shape = (num_layers, batch, num_heads, 1, head_dim)
+    return AttentionInputs(
+        cache.k.new_zeros(shape), cache.v.new_zeros(shape), torch.zeros_like(cache.lengths), anc
+    )
+
+
+def _mark_dynamic(*inputs: torch.Tensor | AttentionInputs) -> tuple:
+    """The prefill forward's inputs with their batch and length dims (and the bitmask's words)
+    marked dynamic for a compiled forward: each gets a symbol of its own instead of being
+    duck-sized. `maybe_mark_dynamic`: a dim that is specialised after all (batch 1) is not an
+    error. Marks are attributes of these fresh tensors; eager forwards ignore them."""
+    for value in inputs:
+        if isinstance(value, AttentionInputs):
+            torch._dynamo.maybe_mark_dynamic(value.anc, (0, 1, 2))
+            torch._dynamo.maybe_mark_dynamic(value.cache_len, 0)
+            torch._dynamo.maybe_mark_dynamic(value.k_cache, 1)
+            torch._dynamo.maybe_mark_dynamic(value.v_cache, 1)
+        else:  # tokens, positions [B, T]; features [B, T, H]
+            torch._dynamo.maybe_mark_dynamic(value, (0, 1))
+    return inputs
