@@ -3,10 +3,10 @@
 `build` compiles everything a decoder will run, inside a private recording scope
 (runtime/graphs/artifacts.py), and writes the artifact directory:
 
-- every bucket's prefill (the prompt forwards of the target and the draft head; dynamic
-  shapes, and prompts padded to 3 tokens, so one prompt per bucket covers every length)
-  and every bucket's round in both sampling variants (plain and top-k/top-p), as
-  `Decoder.warmup` compiles them, CUDA graphs included;
+- everything `Decoder.warmup` compiles: every bucket's prefill (the prompt forwards of the
+  target and the draft head; dynamic shapes and prompts padded to 3 tokens, so the warm-up
+  prompt covers every length) and every bucket's round in both sampling variants (plain and
+  top-k/top-p), CUDA graphs included;
 - each round variant again through Dynamo's precompile (`CompiledStep.aot_compile`), so that
   loading skips Dynamo tracing for the rounds as well.
 
@@ -28,17 +28,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .config import DEFAULT_TREES, EngineConfig, SamplingParams
+from .config import DEFAULT_TREES, EngineConfig
 from .decoder import Decoder
 from .graphs import artifacts
 from .graphs.artifacts import LoadedArtifacts, Manifest
 from .tree import TreeShape
 
 logger = logging.getLogger(__name__)
-
-# Prompt lengths compiled for every bucket's prefill: the prefill pads prompts to at least 3
-# tokens (no size-1 specialisation, see prefill.py) and dynamic shapes cover longer prompts.
-PREFILL_LENGTHS = (1,)
 
 
 def artifact_config(config: EngineConfig) -> EngineConfig:
@@ -108,10 +104,6 @@ def build(
     with artifacts.recording() as recording, torch.inference_mode():
         decoder.warmup(filtered=filtered, progress=progress)
         buckets = decoder.config.buckets
-        shapes = [(b, n) for b in reversed(buckets) for n in PREFILL_LENGTHS]
-        for bucket, length in tqdm(shapes, desc="prefill", unit="shape", disable=not progress):
-            for _ in decoder.stream([[0] * length] * bucket, SamplingParams(max_new_tokens=1)):
-                pass
         if precompile:
             keys = [(b, f) for b in reversed(buckets) for f in sorted({False, filtered})]
             for bucket, variant in tqdm(

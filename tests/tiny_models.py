@@ -134,3 +134,13 @@ def prefilled_state(target, head, shape, prompts, params, *, eos_token_ids=(11,)
     state = allocate_state(target, head, batch_size=len(prompts), capacity=capacity, depth=depth)
     report = prefill(target, head, state, prompts, params, eos_token_ids)
     return state, report
+
+
+def decode_tokens(decoder, prompts, params, *, stats=None):
+    """Run `decoder.stream` to the end: (tokens per prompt, last finish reason per prompt)."""
+    outputs, reasons = [[] for _ in prompts], [None] * len(prompts)
+    for step in decoder.stream(prompts, params, stats=stats):
+        for slot, (tokens, reason) in enumerate(step):
+            outputs[slot].extend(tokens)
+            reasons[slot] = reason or reasons[slot]
+    return outputs, reasons

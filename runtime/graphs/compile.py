@@ -96,13 +96,12 @@ class CompiledStep:
 
     @torch.inference_mode()
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._precompiled:
-            # Loaded under inference mode (artifacts.py): guards hold for calls made under it.
-            with torch.inference_mode():
-                for fn in self._precompiled:
-                    if fn.guard_check(*args, **kwargs):
-                        self.num_precompiled_calls += 1
-                        return fn(*args, **kwargs)
+        # Precompiled functions were loaded under inference mode (artifacts.py): their guards
+        # hold for calls made under it, as every call is (the decorator above).
+        for fn in self._precompiled:
+            if fn.guard_check(*args, **kwargs):
+                self.num_precompiled_calls += 1
+                return fn(*args, **kwargs)
         num_graphs = counters["stats"]["unique_graphs"]
         with self._compiling():
             out = self._compiled(*args, **kwargs)

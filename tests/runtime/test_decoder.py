@@ -15,7 +15,7 @@ from specrun.runtime.decoder import Decoder
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.stats import DecodeStats
 from specrun.runtime.tree import TreeShape
-from tiny_models import TargetAsDraft, random_llama, tiny_config
+from tiny_models import TargetAsDraft, decode_tokens, random_llama, tiny_config
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12], [40, 41, 42]]
 EOS = (11,)
@@ -38,15 +38,6 @@ def _decoder(target, **overrides) -> Decoder:
     )
 
 
-def _decode(decoder, prompts, params, stats=None):
-    outputs, reasons = [[] for _ in prompts], [None] * len(prompts)
-    for step in decoder.stream(prompts, params, stats=stats):
-        for slot, (tokens, reason) in enumerate(step):
-            outputs[slot].extend(tokens)
-            reasons[slot] = reason or reasons[slot]
-    return outputs, reasons
-
-
 def _reference(target, prompts, params):
     want = reference_generate(target, prompts, params, eos_token_ids=EOS)
     return [w.token_ids for w in want], [w.finish_reason for w in want]
@@ -58,7 +49,7 @@ def test_every_bucket_and_padding_reproduce_the_reference(target, num_prompts):
     decoder = _decoder(target)
     params = [SamplingParams(max_new_tokens=n) for n in (20, 7, 13, 1)][:num_prompts]
     prompts = PROMPTS[:num_prompts]
-    assert _decode(decoder, prompts, params) == _reference(target, prompts, params)
+    assert decode_tokens(decoder, prompts, params) == _reference(target, prompts, params)
 
 
 def test_state_is_reset_between_batches_and_after_an_abandoned_stream(target):
@@ -69,7 +60,7 @@ def test_state_is_reset_between_batches_and_after_an_abandoned_stream(target):
     next(steps)
     steps.close()
     for prompts in (PROMPTS[2:4], PROMPTS[:2], PROMPTS[4:]):
-        assert _decode(decoder, prompts, params) == _reference(target, prompts, params)
+        assert decode_tokens(decoder, prompts, params) == _reference(target, prompts, params)
 
 
 def test_stop_ids_max_new_zero_and_statistics(target):
@@ -79,7 +70,7 @@ def test_stop_ids_max_new_zero_and_statistics(target):
         SamplingParams(max_new_tokens=30, stop_token_ids=(7, 9)),
     ]
     stats = DecodeStats()
-    got = _decode(decoder, PROMPTS[:2], params, stats=stats)
+    got = decode_tokens(decoder, PROMPTS[:2], params, stats=stats)
     assert got == _reference(target, PROMPTS[:2], params)
     assert (got[0][0] == [] and got[1][0] == "length") or got[1][1] in ("stop", "length")
     assert stats.num_requests == 2 and len(stats.per_request) == 2
@@ -91,12 +82,12 @@ def test_stop_ids_max_new_zero_and_statistics(target):
 def test_requests_that_do_not_fit_are_refused_before_any_state_changes(target):
     decoder = _decoder(target)
     params = SamplingParams(max_new_tokens=10)
-    want = _decode(decoder, PROMPTS[:1], params)
+    want = decode_tokens(decoder, PROMPTS[:1], params)
     with pytest.raises(ValueError, match="max_seq_len"):
         list(decoder.stream([[1] * 40], SamplingParams(max_new_tokens=20)))
     with pytest.raises(ValueError, match="largest bucket"):
         list(decoder.stream([[1]] * 5, params))
-    assert _decode(decoder, PROMPTS[:1], params) == want
+    assert decode_tokens(decoder, PROMPTS[:1], params) == want
 
 
 def test_engine_config_tree_table_and_bucket_choice():

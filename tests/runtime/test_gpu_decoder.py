@@ -17,7 +17,7 @@ from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.tree import TreeShape
-from tiny_models import TargetAsDraft, random_head, random_llama, tiny_config
+from tiny_models import TargetAsDraft, decode_tokens, random_head, random_llama, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -33,11 +33,7 @@ def _models(kind: str, *, vocab_size: int = 211):
 
 
 def _decode(decoder: Decoder, prompts, params) -> list[list[int]]:
-    outputs = [[] for _ in prompts]
-    for step in decoder.stream(prompts, params):
-        for slot, (tokens, _reason) in enumerate(step):
-            outputs[slot].extend(tokens)
-    return outputs
+    return decode_tokens(decoder, prompts, params)[0]
 
 
 def _config(**overrides) -> EngineConfig:
@@ -72,9 +68,7 @@ def test_no_host_sync_inside_the_decoding_loop_and_seeds_reproduce():
     # One bucket: every bucket's graphs are covered by the test above; this one is about the
     # filtered variant and the loop.
     decoder = Decoder(target, head, _config(compile=True, cuda_graphs=True, buckets=(2,)))
-    params = SamplingParams(
-        max_new_tokens=30, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True
-    )
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
     with torch.inference_mode():
         decoder.warmup(filtered=True)
         first = _decode(decoder, PROMPTS[:2], params)

@@ -19,7 +19,7 @@ from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.round import decode_round, speculative_round
 from specrun.runtime.tree import TreeShape
-from tiny_models import TargetAsDraft, random_llama, tiny_config
+from tiny_models import TargetAsDraft, decode_tokens, random_llama, tiny_config
 
 # Batch 1 (size 1 is always specialised) and every larger batch.
 MAX_PREFILL_GRAPHS = 2
@@ -43,11 +43,7 @@ def _decoder(target, *, compile: bool) -> Decoder:
 
 
 def _decode(decoder: Decoder, prompts, params) -> list[list[int]]:
-    outputs = [[] for _ in prompts]
-    for step in decoder.stream(prompts, params):
-        for slot, (tokens, _reason) in enumerate(step):
-            outputs[slot].extend(tokens)
-    return outputs
+    return decode_tokens(decoder, prompts, params)[0]
 
 
 def _prompts(num_prompts: int, first: int) -> list[list[int]]:
