@@ -9,7 +9,10 @@ calls), installs the pass manager and bounds recompilation:
 - `manager.installed()` patches `post_grad_custom_post_pass` for the duration of the call;
   global config is never modified, so other compilations in the process are unaffected;
 - `torch._dynamo.config.patch(recompile_limit=..., fail_on_recompile_limit_hit=True)`: a
-  step that keeps recompiling raises instead of silently falling back to eager;
+  step that keeps recompiling raises instead of silently falling back to eager. Dynamo keeps
+  its graphs on the code object, shared by every step made from the same function (each
+  Decoder compiles `speculative_round` afresh), so the limit applied is the sum of the limits
+  of all steps of that code in the process: one step's graphs never eat another's budget;
 - `torch.inference_mode()`: steps are inference only, so a step compiles and runs without
   autograd whatever the caller's grad mode. With grad enabled and weights that require grad,
   AOTAutograd would trace a training graph, write a KV cache's update back outside the
@@ -31,6 +34,7 @@ Nothing here knows a model: the helpers only choose a name and whether shapes ar
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,6 +49,17 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_RECOMPILE_LIMIT = 8
 _INDUCTOR_OPTIONS = {"triton.cudagraphs": False}
+
+# Graphs allowed per code object: the sum of the recompile limits of its steps (see above).
+_code_graph_budgets: collections.Counter[Any] = collections.Counter()
+
+
+def _code_of(fn: Callable[..., Any]) -> Any:
+    """The code object Dynamo caches `fn`'s graphs on (a module's: its class's forward)."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    if isinstance(fn, torch.nn.Module):
+        fn = type(fn).forward
+    return getattr(fn, "__code__", fn)
 
 
 class CompiledStep:
@@ -65,6 +80,8 @@ class CompiledStep:
         self.name = name
         self.manager = manager
         self.recompile_limit = recompile_limit
+        self._code = _code_of(fn)
+        _code_graph_budgets[self._code] += recompile_limit
         self.num_compiles = 0
         self.num_precompiled_calls = 0
         self._precompiled: list[Any] = []
@@ -116,7 +133,7 @@ class CompiledStep:
             torch.inference_mode(),
             self.manager.installed(),
             torch._dynamo.config.patch(
-                recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True
+                recompile_limit=_code_graph_budgets[self._code], fail_on_recompile_limit_hit=True
             ),
         ):
             yield

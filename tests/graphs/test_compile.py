@@ -84,6 +84,23 @@ def test_recompiles_are_bounded_and_config_is_left_alone():
     assert torch._inductor.config.post_grad_custom_post_pass is None
 
 
+def _triple(x):
+    return x * 3
+
+
+def test_steps_of_one_function_do_not_share_a_recompile_budget():
+    """Dynamo keeps graphs per code object: a second step of the same function (a second
+    Decoder's round) gets its own graphs on top of the first step's."""
+    first = compile_step(_triple, name="first", recompile_limit=2)
+    for size in (2, 3):
+        first(torch.ones(size))
+    second = compile_step(_triple, name="second", recompile_limit=1)
+    assert torch.equal(second(torch.ones(4)), torch.full((4,), 3.0))
+    assert (first.num_compiles, second.num_compiles) == (2, 1)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        second(torch.ones(5))
+
+
 def _append_step(weight, cache, x):
     """Appends weight-derived K/V (they need grad outside no_grad) to a KV cache."""
     k_new = (x @ weight).view(1, 3, 2, 1, 4)
