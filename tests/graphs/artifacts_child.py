@@ -1,14 +1,16 @@
 """A fresh process for tests/graphs/test_artifacts.py (run as a script, not collected).
 
 `build`: load the model (and head), build artifacts with `runtime.aot.build`, then decode the
-test prompts with the same, JIT-compiled decoder. `load`: load the artifacts into a new
-decoder and decode the same prompts. Either way it prints one JSON line: the generated
-tokens, the process's compile counters, and how the round steps ran.
+test prompts with the same decoder (its rounds are the precompiled ones), and greedily with
+an eager decoder as the reference. `load`: load the artifacts into a new decoder and decode
+the same prompts. Either way it prints one JSON line: the generated tokens, the process's
+compile counters, and how the round steps ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -65,24 +67,22 @@ def main() -> None:
     elif not use_engine:
         aot.load_into(decoder, args.out, rebuild="specrun compile ...")
     ready = time.perf_counter() - started
-    outputs = []
+    outputs, greedy = [], SamplingParams(max_new_tokens=10)
     for bucket in config.buckets:
-        prompts = [list(PROMPTS[i % len(PROMPTS)]) for i in range(bucket)]
-        variants = [SamplingParams(max_new_tokens=10)]
-        variants.append(SamplingParams(max_new_tokens=10, temperature=0.8, seed=3))
+        variants = [greedy, SamplingParams(max_new_tokens=10, temperature=0.8, seed=3)]
         if args.filtered:
             variants.append(SamplingParams(max_new_tokens=10, temperature=1.0, top_k=5, seed=4))
-        for params in variants:
-            tokens = [[] for _ in prompts]
-            for step in decoder.stream(prompts, params):
-                for slot, (new, _reason) in enumerate(step):
-                    tokens[slot].extend(new)
-            outputs.append(tokens)
+        outputs += [_decode(decoder, _prompts(bucket), params) for params in variants]
+    eager_outputs = []
+    if args.mode == "build":
+        eager = Decoder(decoder.target, decoder.head, dataclasses.replace(config, compile=False))
+        eager_outputs = [_decode(eager, _prompts(b), greedy) for b in config.buckets]
     steps = {"round": decoder.round_step(config.buckets[0]).func}
     print(
         json.dumps(
             {
                 "outputs": outputs,
+                "eager_greedy_outputs": eager_outputs,
                 "counters": compile_counters(),
                 "round_compiles": steps["round"].num_compiles,
                 "round_precompiled_calls": steps["round"].num_precompiled_calls,
@@ -91,6 +91,18 @@ def main() -> None:
             }
         )
     )
+
+
+def _prompts(bucket: int) -> list[list[int]]:
+    return [list(PROMPTS[i % len(PROMPTS)]) for i in range(bucket)]
+
+
+def _decode(decoder: Decoder, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for step in decoder.stream(prompts, params):
+        for slot, (new, _reason) in enumerate(step):
+            tokens[slot].extend(new)
+    return tokens
 
 
 if __name__ == "__main__":
