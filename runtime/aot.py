@@ -3,12 +3,13 @@
 `build` compiles everything a decoder will run, inside a private recording scope
 (runtime/graphs/artifacts.py), and writes the artifact directory:
 
-- every bucket's round in both sampling variants (plain and top-k/top-p) through Dynamo's
-  precompile (`CompiledStep.aot_compile`), so that loading skips Dynamo tracing for the
-  rounds as well; the warm-up that follows runs these, so each round is compiled once;
-- everything else `Decoder.warmup` compiles: every bucket's prefill (the prompt forwards of
-  the target and the draft head; dynamic shapes and prompts padded to 3 tokens, so the
-  warm-up prompt covers every length), CUDA graphs included.
+- everything `Decoder.warmup` compiles: every bucket's round in both sampling variants
+  (plain and top-k/top-p) and the prefills (the prompt forwards of the target and the draft
+  head; dynamic shapes and prompts padded to 3 tokens, so the warm-up prompt covers every
+  length: one graph for batch 1, one for larger batches), CUDA graphs included;
+- with `precompile`, every one of those graphs compiled through Dynamo's precompile
+  (`Decoder.precompiling`, `CompiledStep.aot_compile`) rather than `torch.compile`, once
+  each, so that loading skips Dynamo tracing too.
 
 `expected_manifest` is the decoder's fingerprint: torch / triton / Python, device, dtype,
 model and head configs, buckets and their trees, KV capacity, CUDA graphs on or off, and the
@@ -23,10 +24,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shlex
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from .config import DEFAULT_TREES, EngineConfig
 from .decoder import Decoder
@@ -96,32 +97,17 @@ def build(
     warmed up). Returns the written manifest.
 
     filtered: also compile the top-k/top-p variant of every round.
-    precompile: also save the rounds precompiled by Dynamo (loading then skips tracing).
+    precompile: compile through Dynamo's precompile and save the precompiled steps (loading
+        then skips tracing).
     """
     current = expected_manifest(decoder)
     if decoder.warmups:
         decoder.close()  # prepared steps would not be compiled (and recorded) again
     with artifacts.recording() as recording, torch.inference_mode():
-        if precompile:
-            _precompile_rounds(decoder, recording, filtered=filtered, progress=progress)
-        decoder.warmup(filtered=filtered, progress=progress)
+        with decoder.precompiling(recording.steps.__setitem__) if precompile else nullcontext():
+            decoder.warmup(filtered=filtered, progress=progress)
         manifest = dataclasses.replace(current, filtered=filtered, command=command)
         return artifacts.save(recording, out, manifest)
-
-
-def _precompile_rounds(
-    decoder: Decoder, recording: artifacts.Recording, *, filtered: bool, progress: bool
-) -> None:
-    """Precompile every bucket's round variants into `recording` and hand them to the
-    decoder, so that the warm-up after runs them: each round is compiled once, not traced
-    and lowered again by the warm-up."""
-    buckets = decoder.config.buckets
-    keys = [(b, f) for b in reversed(buckets) for f in sorted({False, filtered})]
-    for bucket, variant in tqdm(keys, desc="precompile", unit="graph", disable=not progress):
-        step = decoder.round_step(bucket, filtered=variant)
-        name = f"{step.func.name}-b{bucket}-{'filtered' if variant else 'plain'}"
-        recording.steps[name] = step.func.aot_compile(*step.args)
-        step.func.add_precompiled([recording.steps[name]])
 
 
 def is_up_to_date(

@@ -11,6 +11,7 @@ most one round behind the GPU and never stalls it. Stop conditions are decided o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -18,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -26,8 +28,15 @@ from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from .config import EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner, compile_prefill, compile_round, compile_step
+from .graphs.compile import CompiledStep
 from .kv_cache import KVCache
-from .prefill import allocate_caches, allocate_state, prefill, state_capacity
+from .prefill import (
+    allocate_caches,
+    allocate_state,
+    mark_dynamic_dims,
+    prefill,
+    state_capacity,
+)
 from .requests import FINISH_LENGTH, FINISH_STOP, check_requests, seeded_rng
 from .round import FINISH_STOP as FINISH_STOP_CODE
 from .round import ReportColumns, SpecState, decode_round, speculative_round
@@ -87,9 +96,12 @@ class Decoder:
             # the buckets and prompt lengths (see prefill.py); the limit keeps the rounds'
             # slack because the two-graph count has only been checked on the CPU so far.
             num_prefills = num_graphs
-            self._prefill_target = compile_prefill(target, recompile_limit=num_prefills)
+            prefill_options = dict(recompile_limit=num_prefills, mark_dynamic=mark_dynamic_dims)
+            self._prefill_target = compile_prefill(target, name="prefill_target", **prefill_options)
             self._prefill_draft = (
-                compile_prefill(head, recompile_limit=num_prefills) if head is not None else None
+                compile_prefill(head, name="prefill_draft", **prefill_options)
+                if head is not None
+                else None
             )
         self._runner = CudaGraphRunner(self.device) if self.use_graphs else None
         self._stores: tuple[KVCache, KVCache | None] | None = None
@@ -234,14 +246,32 @@ class Decoder:
         the bucket's static state: `.func` is the step, `.args` what it is called with."""
         return self._round_step(bucket, filtered)
 
-    def add_precompiled(self, steps: Mapping[str, Sequence[Callable]]) -> None:
-        """Hand ahead-of-time compiled round steps ({"round": [...], "decode": [...]}, see
+    def compiled_steps(self) -> dict[str, CompiledStep]:
+        """The compiled steps by name (round, decode, prefill_target, prefill_draft); empty
+        with compilation off."""
+        if not self._compiled:
+            return {}
+        steps = (self._round, self._decode, self._prefill_target, self._prefill_draft)
+        return {step.name: step for step in steps if step is not None}
+
+    def add_precompiled(self, fns: Mapping[str, Sequence[Callable]]) -> None:
+        """Hand ahead-of-time compiled functions ({step name: [...]}, see
         runtime/graphs/artifacts.py) to the compiled steps; a call runs the one whose guards
         pass instead of tracing."""
-        if not self._compiled:
+        steps = self.compiled_steps()
+        if not steps:
             raise ValueError("precompiled steps need EngineConfig(compile=True)")
-        self._round.add_precompiled(steps.get("round", ()))
-        self._decode.add_precompiled(steps.get("decode", ()))
+        for name, step in steps.items():
+            step.add_precompiled(fns.get(name, ()))
+
+    @contextlib.contextmanager
+    def precompiling(self, sink: Callable[[str, Any], None]) -> Iterator[None]:
+        """Within the block every graph a compiled step needs is compiled ahead of time and
+        handed to `sink(name, fn)` (CompiledStep.precompiling): what a build records."""
+        with contextlib.ExitStack() as stack:
+            for step in self.compiled_steps().values():
+                stack.enter_context(step.precompiling(sink))
+            yield
 
     def _round_step(self, bucket: int, filtered: bool) -> Callable[[], torch.Tensor]:
         """The bucket's round variant as a zero-argument call over its static state."""

@@ -14,7 +14,8 @@ is shaped the same way (tests/runtime/test_prefill_compiles.py):
   view of the shared store: a prefill starts from an empty cache anyway, and the view's layer
   stride (sized for the largest bucket) would make Dynamo guard on whether the view is
   contiguous, i.e. on the bucket;
-- the batch, length and bitmask-word dims are marked dynamic explicitly (`_mark_dynamic`).
+- the batch, length and bitmask-word dims are marked dynamic explicitly (`mark_dynamic_dims`,
+  which the compiled step applies before it compiles).
   Left to `dynamic=True` they are duck-sized: a dim shares the symbol of any other input dim
   of equal value (layers, KV heads, ...), and when that one is specialised (by an op against a
   weight) the batch or prompt length is specialised with it;
@@ -144,7 +145,7 @@ def prefill(
     _reset(state, params, eos_token_ids, vocab_size=target.config.vocab_size)
     positions = _positions(*tokens.shape, device)
     attn = _empty_cache_inputs(state.target, _prompt_ancestors(*tokens.shape, device))
-    out = (target_forward or target)(*_mark_dynamic(tokens, positions, attn))
+    out = (target_forward or target)(tokens, positions, attn)
     state.target.append(out.k_new, out.v_new, lengths)
     rows = torch.arange(tokens.shape[0], device=device)
     last = out.hidden[rows, lengths - 1]
@@ -219,7 +220,7 @@ def _prefill_draft(
             x.clone(memory_format=torch.contiguous_format)
             for x in (tokens[:, 1:], features[:, :-1])
         ]
-        out = draft_forward(*_mark_dynamic(*shifted, positions, attn))
+        out = draft_forward(*shifted, positions, attn)
         state.draft.append(out.k_new, out.v_new, lengths - 1)
     rows = torch.arange(batch, device=device)
     pending = state.pending
@@ -257,11 +258,12 @@ def _empty_cache_inputs(cache: KVCache, anc: torch.Tensor) -> AttentionInputs:
     )
 
 
-def _mark_dynamic(*inputs: torch.Tensor | AttentionInputs) -> tuple:
-    """The prefill forward's inputs with their batch and length dims (and the bitmask's words)
-    marked dynamic for a compiled forward: each gets a symbol of its own instead of being
-    duck-sized. `maybe_mark_dynamic`: a dim that is specialised after all (batch 1) is not an
-    error. Marks are attributes of these fresh tensors; eager forwards ignore them."""
+def mark_dynamic_dims(*inputs: torch.Tensor | AttentionInputs) -> None:
+    """Mark a prefill forward's batch and length dims (and the bitmask's words) dynamic, for
+    a compiled forward (`compile_prefill(..., mark_dynamic=mark_dynamic_dims)`): each gets a
+    symbol of its own instead of being duck-sized. `maybe_mark_dynamic`: a dim that is
+    specialised after all (batch 1) is not an error. Marks are attributes of these fresh
+    tensors."""
     for value in inputs:
         if isinstance(value, AttentionInputs):
             torch._dynamo.maybe_mark_dynamic(value.anc, (0, 1, 2))
@@ -270,4 +272,3 @@ def _mark_dynamic(*inputs: torch.Tensor | AttentionInputs) -> tuple:
             torch._dynamo.maybe_mark_dynamic(value.v_cache, 1)
         else:  # tokens, positions [B, T]; features [B, T, H]
             torch._dynamo.maybe_mark_dynamic(value, (0, 1))
-    return inputs

@@ -20,14 +20,17 @@ calls), installs the pass manager and bounds recompilation:
   `lengths`), copy the wrong output into the cache (torch 2.11 and 2.13: "The size of tensor
   a (128) must match the size of tensor b (8)"; silently, by broadcasting, at batch 1).
 
-`CompiledStep.num_compiles` counts the graphs compiled for the step; every compile past the
-first is logged as a warning (`TORCH_LOGS=recompiles` prints the guard that failed).
+`CompiledStep.num_compiles` counts the graphs compiled for the step on demand (JIT); every
+compile past the first is logged as a warning (`TORCH_LOGS=recompiles` prints the guard that
+failed). `num_precompiles` counts those compiled ahead of time.
 
 Ahead of time (see artifacts.py): `CompiledStep.aot_compile(*args)` compiles the step for
 those arguments exactly as a call would (same options, same passes) with Dynamo's precompile
 (`torch.compile(...).aot_compile`), giving a function that can be saved and loaded in another
 process; `add_precompiled` hands such loaded functions back to a step, which then runs the
 first whose guards pass for a call's arguments and falls back to compiling only when none do.
+Inside `precompiling(sink)` that fallback is itself an `aot_compile`, handed to the sink: an
+artifact build runs the warm-up so and records every graph (rounds and dynamic prefills).
 
 Nothing here knows a model: the helpers only choose a name and whether shapes are dynamic.
 """
@@ -54,11 +57,15 @@ _INDUCTOR_OPTIONS = {"triton.cudagraphs": False}
 _code_graph_budgets: collections.Counter[Any] = collections.Counter()
 
 
+def call_module(module: torch.nn.Module, *args: Any) -> Any:
+    """What a step made from a module traces: Dynamo's precompile (`aot_compile`) takes
+    functions, and a module passed as an argument is guarded like any other input."""
+    return module(*args)
+
+
 def _code_of(fn: Callable[..., Any]) -> Any:
-    """The code object Dynamo caches `fn`'s graphs on (a module's: its class's forward)."""
+    """The code object Dynamo caches `fn`'s graphs on."""
     fn = getattr(fn, "func", fn)  # functools.partial
-    if isinstance(fn, torch.nn.Module):
-        fn = type(fn).forward
     return getattr(fn, "__code__", fn)
 
 
@@ -74,18 +81,24 @@ class CompiledStep:
         manager: PassManager,
         recompile_limit: int,
         options: Mapping[str, Any],
+        mark_dynamic: Callable[..., Any] | None = None,
     ) -> None:
         if recompile_limit < 1:
             raise ValueError(f"recompile_limit must be at least 1, not {recompile_limit}")
         self.name = name
         self.manager = manager
         self.recompile_limit = recompile_limit
+        # A module becomes the first argument of `call_module`, bound here.
+        self._bound: tuple[Any, ...] = (fn,) if isinstance(fn, torch.nn.Module) else ()
+        fn = call_module if self._bound else fn
         self._code = _code_of(fn)
         _code_graph_budgets[self._code] += recompile_limit
         self.num_compiles = 0
+        self.num_precompiles = 0
         self.num_precompiled_calls = 0
         self._precompiled: list[Any] = []
-        self._fn, self._dynamic = fn, dynamic
+        self._precompile_sink: Callable[[str, Any], None] | None = None
+        self._fn, self._dynamic, self._mark_dynamic = fn, dynamic, mark_dynamic
         self._options = {**_INDUCTOR_OPTIONS, **options}
         self._compiled = self._torch_compile()
 
@@ -104,7 +117,19 @@ class CompiledStep:
         with torch._dynamo.config.patch(enable_aot_compile=True):
             compiled = self._torch_compile()
             with self._compiling():
-                return compiled.aot_compile((args, kwargs))
+                return compiled.aot_compile(((*self._bound, *args), kwargs))
+
+    @contextlib.contextmanager
+    def precompiling(self, sink: Callable[[str, Any], None]) -> Iterator[None]:
+        """Within the block, a call that no precompiled function covers is compiled ahead of
+        time (`aot_compile` of its arguments) instead of by `torch.compile`, kept for later
+        calls, and handed to `sink(name, fn)` with a name unique to this step: each graph is
+        compiled once, and a build records every graph its warm-up needs."""
+        self._precompile_sink = sink
+        try:
+            yield
+        finally:
+            self._precompile_sink = None
 
     def add_precompiled(self, fns: Sequence[Any]) -> None:
         """Loaded precompiled functions of this step (guard checks disabled on them: the step
@@ -115,13 +140,24 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Precompiled functions were loaded under inference mode (artifacts.py): their guards
         # hold for calls made under it, as every call is (the decorator above).
+        traced_args = (*self._bound, *args)
         for fn in self._precompiled:
-            if fn.guard_check(*args, **kwargs):
+            if fn.guard_check(*traced_args, **kwargs):
                 self.num_precompiled_calls += 1
-                return fn(*args, **kwargs)
+                return fn(*traced_args, **kwargs)
+        # Dims are marked dynamic only for a compile: a precompiled function loaded in another
+        # process refuses (guards) tensors that carry marks.
+        if self._mark_dynamic is not None:
+            self._mark_dynamic(*args)
+        if self._precompile_sink is not None:
+            fn = self.aot_compile(*args, **kwargs)
+            self._precompile_sink(f"{self.name}-{self.num_precompiles}", fn)
+            self.num_precompiles += 1
+            self._precompiled.append(fn)
+            return fn(*traced_args, **kwargs)
         num_graphs = counters["stats"]["unique_graphs"]
         with self._compiling():
-            out = self._compiled(*args, **kwargs)
+            out = self._compiled(*traced_args, **kwargs)
         num_new = counters["stats"]["unique_graphs"] - num_graphs
         if num_new:
             self._record_compiles(num_new)
@@ -132,8 +168,12 @@ class CompiledStep:
         with (
             torch.inference_mode(),
             self.manager.installed(),
+            # Python floats are constants (scales, eps): Dynamo's precompile cannot restart an
+            # analysis that tried to trace one of a dynamic step's floats symbolically.
             torch._dynamo.config.patch(
-                recompile_limit=_code_graph_budgets[self._code], fail_on_recompile_limit_hit=True
+                recompile_limit=_code_graph_budgets[self._code],
+                fail_on_recompile_limit_hit=True,
+                specialize_float=True,
             ),
         ):
             yield
@@ -160,6 +200,7 @@ def compile_step(
     manager: PassManager | None = None,
     recompile_limit: int = DEFAULT_RECOMPILE_LIMIT,
     options: Mapping[str, Any] | None = None,
+    mark_dynamic: Callable[..., Any] | None = None,
 ) -> CompiledStep:
     """Compile `fn` (a function or module) as one graph with Inductor and the passes.
 
@@ -171,6 +212,8 @@ def compile_step(
             its `stats` count the matches of every graph this step compiles.
         recompile_limit: compiled graphs allowed per step before a call raises.
         options: extra Inductor options (on top of `triton.cudagraphs=False`).
+        mark_dynamic: called with a call's arguments before they are compiled for (not when
+            a precompiled function takes them), to mark dims dynamic.
     """
     return CompiledStep(
         fn,
@@ -179,12 +222,15 @@ def compile_step(
         manager=PassManager() if manager is None else manager,
         recompile_limit=recompile_limit,
         options=options or {},
+        mark_dynamic=mark_dynamic,
     )
 
 
-def compile_prefill(forward: Callable[..., Any], **kwargs: Any) -> CompiledStep:
+def compile_prefill(
+    forward: Callable[..., Any], *, name: str = "prefill", **kwargs: Any
+) -> CompiledStep:
     """A prompt forward: shapes dynamic (prompt lengths vary)."""
-    return compile_step(forward, name="prefill", dynamic=True, **kwargs)
+    return compile_step(forward, name=name, dynamic=True, **kwargs)
 
 
 def compile_verify(forward: Callable[..., Any], **kwargs: Any) -> CompiledStep:

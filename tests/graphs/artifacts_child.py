@@ -77,15 +77,17 @@ def main() -> None:
     if args.mode == "build":
         eager = Decoder(decoder.target, decoder.head, dataclasses.replace(config, compile=False))
         eager_outputs = [_decode(eager, _prompts(b), greedy) for b in config.buckets]
-    steps = {"round": decoder.round_step(config.buckets[0]).func}
+    steps = {
+        name: {"compiles": step.num_compiles, "precompiled_calls": step.num_precompiled_calls}
+        for name, step in decoder.compiled_steps().items()
+    }
     print(
         json.dumps(
             {
                 "outputs": outputs,
                 "eager_greedy_outputs": eager_outputs,
                 "counters": compile_counters(),
-                "round_compiles": steps["round"].num_compiles,
-                "round_precompiled_calls": steps["round"].num_precompiled_calls,
+                "steps": steps,
                 "ready_s": ready,
                 "torch": torch.__version__,
             }

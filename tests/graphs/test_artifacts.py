@@ -53,6 +53,15 @@ def run_child(mode: str, root: Path, *extra: str, cache: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def jit_compiles(report: dict) -> dict[str, int]:
+    """The steps a child compiled on demand (not ahead of time), with their graph counts."""
+    return {name: s["compiles"] for name, s in report["steps"].items() if s["compiles"]}
+
+
+def precompiled_calls(report: dict) -> int:
+    return sum(step["precompiled_calls"] for step in report["steps"].values())
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, Path, dict]:
     """(root with model/ and artifacts/, the Inductor cache the children share, the compiling
@@ -64,7 +73,7 @@ def built(tmp_path_factory) -> tuple[Path, Path, dict]:
     return root, cache, run_child("build", root, cache=cache)
 
 
-def test_a_fresh_process_decodes_like_the_jit_path_without_compiling(built):
+def test_a_fresh_process_decodes_like_the_build_and_eager_without_tracing(built):
     root, cache, build = built
     assert not (cache / "fxgraph").exists(), "the build must not compile into the shared cache"
     loaded = run_child("load", root, cache=cache)
@@ -72,12 +81,40 @@ def test_a_fresh_process_decodes_like_the_jit_path_without_compiling(built):
     # Per bucket, greedy decoding comes first among the sampling variants.
     num_variants = len(build["outputs"]) // len(build["eager_greedy_outputs"])
     assert build["outputs"][::num_variants] == build["eager_greedy_outputs"]
-    assert build["counters"]["fxgraph_cache_miss"] > 0
-    # The build compiles each round once, ahead of time, and its warm-up runs that.
-    assert build["round_compiles"] == 0 and build["round_precompiled_calls"] > 0
+    assert build["counters"]["dynamo_graphs"] > 0
+    # The build compiles each graph once, ahead of time, and its warm-up runs that.
+    assert jit_compiles(build) == {} and precompiled_calls(build) > 0
     counters = loaded["counters"]
-    assert counters["fxgraph_cache_miss"] == 0 and counters["fxgraph_cache_hit"] > 0
-    assert loaded["round_compiles"] == 0 and loaded["round_precompiled_calls"] > 0
+    # Nothing is traced (every step, the dynamic prefill included, is precompiled), lowered
+    # or compiled: the artifacts' Triton/C++ kernels come from the mega-cache.
+    assert counters["dynamo_graphs"] == 0 and counters["fxgraph_cache_miss"] == 0
+    assert jit_compiles(loaded) == {} and precompiled_calls(loaded) > 0
+
+
+def test_speculative_steps_and_both_prefill_graphs_load_without_tracing(tmp_path):
+    """A head, two buckets (prefill graphs for batch 1 and batch > 1, the draft's too) and
+    sampling with and without temperature: the loaded process traces nothing and decodes like
+    the build."""
+    from specrun.models.loading import save_draft
+    from tiny_models import random_head
+
+    target = random_llama(tiny_config(num_layers=1))
+    save_target(target, tmp_path / "model")
+    save_draft(random_head("eagle3", target), tmp_path / "head")
+    extra = ["--draft", str(tmp_path / "head"), "--buckets", "1", "2"]
+    cache = tmp_path / "inductor-cache"
+    build = run_child("build", tmp_path, *extra, cache=cache)
+    loaded = run_child("load", tmp_path, *extra, cache=cache)
+    assert loaded["outputs"] == build["outputs"]
+    num_variants = len(build["outputs"]) // len(build["eager_greedy_outputs"])
+    assert build["outputs"][::num_variants] == build["eager_greedy_outputs"]
+    assert loaded["counters"]["dynamo_graphs"] == 0
+    assert jit_compiles(build) == {} and jit_compiles(loaded) == {}
+    assert {name for name, s in loaded["steps"].items() if s["precompiled_calls"]} == {
+        "round",
+        "prefill_target",
+        "prefill_draft",
+    }
 
 
 def test_the_manifest_records_what_was_built(built):
@@ -86,9 +123,9 @@ def test_the_manifest_records_what_was_built(built):
     assert manifest.torch == torch.__version__ and manifest.device == "cpu"
     assert manifest.dtype == "float32" and manifest.buckets == (1,)
     assert manifest.trees == ("none",) and manifest.head is None  # no head: plain decoding
-    assert manifest.precompiled == ("decode-b1-plain",)
+    assert manifest.precompiled == ("decode-0", "prefill_target-0")
     names = {name for name, _ in manifest.files}
-    assert {"compile_cache.bin", "cpu_kernels.zip", "steps/decode-b1-plain.bin"} <= names
+    assert {"compile_cache.bin", "cpu_kernels.zip", "steps/decode-0.bin"} <= names
     artifacts.check_files(root / "artifacts", manifest, rebuild="")
 
 
@@ -212,9 +249,10 @@ def test_gpu_engine_starts_from_artifacts_in_a_fresh_process(smollm_dir, tmp_pat
     extra += ["--buckets", "1", "2", "--tree", "3", "4", "8", "--max-seq-len", "256"]
     extra += ["--filtered"]
     cache = tmp_path / "inductor-cache"
-    jit = run_child("build", tmp_path, *extra, cache=cache)
+    build = run_child("build", tmp_path, *extra, cache=cache)
     assert not (cache / "fxgraph").exists()
     loaded = run_child("load", tmp_path, *extra, "--engine", cache=cache)
-    assert loaded["outputs"] == jit["outputs"]
+    assert loaded["outputs"] == build["outputs"]
+    assert loaded["counters"]["dynamo_graphs"] == 0
     assert loaded["counters"]["fxgraph_cache_miss"] == 0
-    assert loaded["round_compiles"] == 0 and loaded["round_precompiled_calls"] > 0
+    assert jit_compiles(loaded) == {} and precompiled_calls(loaded) > 0
