@@ -94,7 +94,7 @@ class Decoder:
             self._decode = compile_step(decode_round, name="decode", recompile_limit=num_graphs)
             # Prefills are dynamic: one graph for batch 1 and one for larger batches, whatever
             # the buckets and prompt lengths (see prefill.py); the limit keeps the rounds'
-            # slack because the two-graph count has only been checked on the CPU so far.
+            # slack all the same.
             num_prefills = num_graphs
             prefill_options = dict(recompile_limit=num_prefills, mark_dynamic=mark_dynamic_dims)
             self._prefill_target = compile_prefill(target, name="prefill_target", **prefill_options)
@@ -239,11 +239,6 @@ class Decoder:
         if self._runner is not None:
             self.prepare(bucket, filtered=filtered)
             return functools.partial(self._runner.replay, (bucket, filtered))
-        return self._round_step(bucket, filtered)
-
-    def round_step(self, bucket: int, *, filtered: bool = False) -> functools.partial:
-        """The bucket's round variant as a zero-argument partial of its (compiled) step over
-        the bucket's static state: `.func` is the step, `.args` what it is called with."""
         return self._round_step(bucket, filtered)
 
     def compiled_steps(self) -> dict[str, CompiledStep]:

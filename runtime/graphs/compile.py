@@ -64,8 +64,7 @@ def call_module(module: torch.nn.Module, *args: Any) -> Any:
 
 
 def _code_of(fn: Callable[..., Any]) -> Any:
-    """The code object Dynamo caches `fn`'s graphs on."""
-    fn = getattr(fn, "func", fn)  # functools.partial
+    """The code object Dynamo caches `fn`'s graphs on (the callable itself if it has none)."""
     return getattr(fn, "__code__", fn)
 
 

@@ -58,6 +58,13 @@ def jit_compiles(report: dict) -> dict[str, int]:
     return {name: s["compiles"] for name, s in report["steps"].items() if s["compiles"]}
 
 
+def greedy_outputs(report: dict) -> list:
+    """A build report's greedy outputs, one per bucket: greedy decoding comes first among
+    each bucket's sampling variants."""
+    num_variants = len(report["outputs"]) // len(report["eager_greedy_outputs"])
+    return report["outputs"][::num_variants]
+
+
 def precompiled_calls(report: dict) -> int:
     return sum(step["precompiled_calls"] for step in report["steps"].values())
 
@@ -78,9 +85,7 @@ def test_a_fresh_process_decodes_like_the_build_and_eager_without_tracing(built)
     assert not (cache / "fxgraph").exists(), "the build must not compile into the shared cache"
     loaded = run_child("load", root, cache=cache)
     assert loaded["outputs"] == build["outputs"]
-    # Per bucket, greedy decoding comes first among the sampling variants.
-    num_variants = len(build["outputs"]) // len(build["eager_greedy_outputs"])
-    assert build["outputs"][::num_variants] == build["eager_greedy_outputs"]
+    assert greedy_outputs(build) == build["eager_greedy_outputs"]
     assert build["counters"]["dynamo_graphs"] > 0
     # The build compiles each graph once, ahead of time, and its warm-up runs that.
     assert jit_compiles(build) == {} and precompiled_calls(build) > 0
@@ -106,8 +111,7 @@ def test_speculative_steps_and_both_prefill_graphs_load_without_tracing(tmp_path
     build = run_child("build", tmp_path, *extra, cache=cache)
     loaded = run_child("load", tmp_path, *extra, cache=cache)
     assert loaded["outputs"] == build["outputs"]
-    num_variants = len(build["outputs"]) // len(build["eager_greedy_outputs"])
-    assert build["outputs"][::num_variants] == build["eager_greedy_outputs"]
+    assert greedy_outputs(build) == build["eager_greedy_outputs"]
     assert loaded["counters"]["dynamo_graphs"] == 0
     assert jit_compiles(build) == {} and jit_compiles(loaded) == {}
     assert {name for name, s in loaded["steps"].items() if s["precompiled_calls"]} == {
