@@ -3,8 +3,10 @@ and the input checks of the CUDA path.
 
 No autotuning: the choice depends only on shapes known at trace time (batch, heads, tree size,
 cache size S, head dim) and the device's multiprocessor count, so it is deterministic at
-CUDA-graph capture and never depends on `cache_len` values. The numbers were tuned on an H100
-(see BENCHMARKS.md, "Kernels: rt::tree_attention").
+CUDA-graph capture and never depends on `cache_len` values. Shapes that are symbolic at trace
+time (the dynamic prefill's batch and length) get one fixed config: branching on them would
+guard the compiled graph to the range of the example it was traced with. The numbers were
+tuned on an H100 (see BENCHMARKS.md, "Kernels: rt::tree_attention").
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 # Below one program per multiprocessor, the prefix is split until there are about this many.
 _TARGET_PROGRAMS_PER_SM = 2
@@ -22,6 +25,10 @@ _MIN_BLOCKS_PER_SPLIT = 4
 # Prefix splits + the tree split stay <= 64: the combine kernel loads them all at once.
 _MAX_SPLITS = 63
 _BITS_PER_WORD = 64
+# A dynamic call's rows per KV head are assumed many (a prefill), and its one split must cover
+# any prefix; int32 in the kernel.
+_DYNAMIC_NUM_ROWS = 64
+_WHOLE_PREFIX = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -93,10 +100,10 @@ def split_layout(
 
 def launch_config(
     *,
-    batch: int,
+    batch: int | torch.SymInt,
     num_kv_heads: int,
-    num_rows: int,
-    cache_size: int,
+    num_rows: int | torch.SymInt,
+    cache_size: int | torch.SymInt,
     head_dim: int,
     num_sms: int,
 ) -> LaunchConfig:
@@ -108,7 +115,12 @@ def launch_config(
         cache_size: static cache length S (not the committed lengths).
         head_dim: D.
         num_sms: multiprocessors of the device.
+
+    If batch, num_rows or cache_size is symbolic (traced with dynamic shapes), the config
+    reads none of them: many-row tiles and one split over the whole prefix.
     """
+    if not all(is_concrete_int(size) for size in (batch, num_rows, cache_size)):
+        return _dynamic_launch_config(head_dim)
     block_r, block_n, num_warps = _tile_shape(num_rows, head_dim)
     num_programs = batch * num_kv_heads * triton.cdiv(num_rows, block_r)
     num_splits, split_len = split_layout(
@@ -123,6 +135,18 @@ def launch_config(
         split_len=split_len,
         num_warps=num_warps,
         num_stages=3 if long_loop and head_dim <= 128 else 2,
+    )
+
+
+def _dynamic_launch_config(head_dim: int) -> LaunchConfig:
+    block_r, block_n, num_warps = _tile_shape(_DYNAMIC_NUM_ROWS, head_dim)
+    return LaunchConfig(
+        block_r=block_r,
+        block_n=block_n,
+        num_splits=1,
+        split_len=_WHOLE_PREFIX,
+        num_warps=num_warps,
+        num_stages=3 if head_dim <= 128 else 2,
     )
 
 

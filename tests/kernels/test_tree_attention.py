@@ -17,6 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from specrun.models.attention import pack_ancestor_mask
 from specrun.models.attention import tree_attention as model_tree_attention
@@ -25,7 +27,11 @@ from specrun.runtime.kernels.tree_attention import (
     tree_attention,
     tree_attention_ref,
 )
-from specrun.runtime.kernels.tree_attention_config import LaunchConfig, check_inputs
+from specrun.runtime.kernels.tree_attention_config import (
+    LaunchConfig,
+    check_inputs,
+    launch_config,
+)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -155,6 +161,27 @@ def test_check_inputs_names_the_problem():
             check_inputs(**(inputs | change))
 
 
+def test_symbolic_shapes_get_one_config_without_guards():
+    # A dynamic prefill traces the op with a symbolic batch and length; a branch on them would
+    # add a guard, and a precompiled prefill would then serve only the warm-up's lengths.
+    shape_env = ShapeEnv()
+
+    def symbolic(hint: int, name: str) -> torch.SymInt:
+        symbol = shape_env.create_symbol(hint, ConstantSource(name), DimDynamic.DYNAMIC)
+        return shape_env.create_symintnode(symbol, hint=hint)
+
+    batch, length = symbolic(3, "batch"), symbolic(5, "length")
+    config = launch_config(
+        batch=batch, num_kv_heads=8, num_rows=4 * length, cache_size=1, head_dim=128, num_sms=132
+    )
+    assert not shape_env.guards
+    assert config.num_splits == 1 and config.split_len >= 1 << 30
+    concrete = launch_config(
+        batch=3, num_kv_heads=8, num_rows=4 * 5, cache_size=1, head_dim=128, num_sms=132
+    )
+    assert concrete != config  # the static table still sees few rows
+
+
 def test_opcheck():
     inputs = make_inputs(Case(2, 4, 2, 3, 4, 11, 8), dtype=torch.float32, cache_len=[5, 0])
     scale = inputs.pop("scale")
@@ -190,6 +217,7 @@ INTERPRET_CASES = (
     (Case(1, 2, 2, 1, 1, 20, 16), [20], 16, 16, 2, 16),
     (Case(1, 8, 2, 9, 9, 40, 16), [33], 16, 16, 2, 32),
     (Case(2, 8, 1, 9, 9, 70, 16), [70, 37], 64, 16, 3, 32),  # 64-row blocks: peeled tail
+    (Case(2, 4, 2, 33, 33, 70, 16), [70, 5], 64, 32, 1, 1 << 30),  # the dynamic-shape config
 )
 
 
