@@ -37,7 +37,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, help="output head directory")
     parser.add_argument("--kind", choices=DRAFT_KINDS, default="eagle3")
     parser.add_argument(
-        "--prompts", required=True, help='JSONL of {"prompt": ...} lines, or builtin:train'
+        "--prompts", default=None, help='JSONL of {"prompt": ...} lines, or builtin:train'
+    )
+    parser.add_argument(
+        "--sequences",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="train on sequences an earlier run wrote (OUT/checkpoint/sequences.jsonl, may be "
+        ".gz) instead of generating them",
     )
     parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument(
@@ -100,6 +108,10 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not (args.prompts or args.sequences or args.resume):
+        raise ValueError("give --prompts to generate training data, or --sequences FILE")
+    if args.sequences and (args.prompts or args.resume):
+        raise ValueError("--sequences replaces --prompts and --resume; give only one of them")
     config = train_config(args)
     model_dir = args.model or default_model_dir()
     engine_config = EngineConfig(device=args.device, dtype=args.dtype)
@@ -108,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.resume:
         sequences = load_sequences(checkpoint_sequences_path(args.out))
+    elif args.sequences:
+        sequences = [seq for path in args.sequences for seq in load_sequences(path)]
     else:
         sequences = _self_distilled(args, target, model_dir)
     num_tokens = sum(len(s.token_ids) - s.num_prompt for s in sequences)

@@ -12,6 +12,7 @@ template) or {"prompt_ids": [ids...]} (used as is).
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -157,8 +158,12 @@ def save_sequences(sequences: Sequence[TrainingSequence], path: str | Path) -> N
 
 
 def load_sequences(path: str | Path) -> list[TrainingSequence]:
-    """Read what `save_sequences` wrote."""
-    with Path(path).open(encoding="utf-8") as f:
+    """Read what `save_sequences` wrote, gzipped or not (by the `.gz` suffix)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no sequences file at {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     return [TrainingSequence(tuple(r["token_ids"]), int(r["num_prompt"])) for r in records]
 

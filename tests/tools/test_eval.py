@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -78,3 +79,17 @@ def test_train_draft_writes_a_head_the_engine_loads(model_dir, prompts_file, tmp
     assert spec.generate("t5 t17 t3", params)[0].token_ids == (
         plain.generate("t5 t17 t3", params)[0].token_ids
     )
+
+
+def test_train_draft_reuses_sequences_an_earlier_run_wrote(model_dir, prompts_file, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    argv = ["train-draft", "--model", str(model_dir), "--steps", "2", "--batch-size", "2"]
+    argv += ["--ttt-steps", "2", "--draft-vocab", "40", "--heldout", "1", "--max-new-tokens", "8"]
+    argv += ["--device", "cpu", "--dtype", "float32"]
+    assert main([*argv, "--out", str(first), "--prompts", str(prompts_file)]) == 0
+    written = first / "checkpoint" / "sequences.jsonl"
+    packed = tmp_path / "sequences.jsonl.gz"
+    packed.write_bytes(gzip.compress(written.read_bytes()))
+    assert main([*argv, "--out", str(second), "--sequences", str(packed)]) == 0
+    assert (second / "checkpoint" / "sequences.jsonl").read_bytes() == written.read_bytes()
+    assert main([*argv, "--out", str(second)]) == 2  # neither prompts nor sequences
