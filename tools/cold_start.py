@@ -111,6 +111,7 @@ def _launch(spec: dict, args: argparse.Namespace) -> dict:
         except subprocess.TimeoutExpired:
             return {"mode": spec["mode"], "error": f"timed out after {args.timeout} s"}
         exit_s = time.time() - launched
+    sys.stderr.write(done.stderr)  # the child's logs (and TORCH_LOGS output) stay visible
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         return {"mode": spec["mode"], "error": done.stderr.strip().splitlines()[-20:]}
