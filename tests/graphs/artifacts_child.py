@@ -67,11 +67,13 @@ def main() -> None:
     elif not use_engine:
         aot.load_into(decoder, args.out, rebuild="specrun compile ...")
     ready = time.perf_counter() - started
-    outputs, greedy = [], SamplingParams(max_new_tokens=10)
+    # ignore_eos: the Engine's decoder stops at the tokenizer's EOS, a bare Decoder knows none.
+    outputs, greedy = [], SamplingParams(max_new_tokens=10, ignore_eos=True)
     for bucket in config.buckets:
-        variants = [greedy, SamplingParams(max_new_tokens=10, temperature=0.8, seed=3)]
+        sampled = SamplingParams(max_new_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
+        variants = [greedy, sampled]
         if args.filtered:
-            variants.append(SamplingParams(max_new_tokens=10, temperature=1.0, top_k=5, seed=4))
+            variants.append(dataclasses.replace(sampled, temperature=1.0, top_k=5, seed=4))
         outputs += [_decode(decoder, _prompts(bucket), params) for params in variants]
     eager_outputs = []
     if args.mode == "build":
