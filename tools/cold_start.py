@@ -14,8 +14,10 @@ Each point is one JSON line; times are seconds since the parent launched the chi
 directory, or built with random weights), `artifacts_s` (loaded; build mode: written),
 `warmup_s` (every bucket compiled or loaded, CUDA graphs captured), `first_token_s` (one
 prompt prefilled and its first token on the host), `first_round_s` (the first decoding round
-after it), with the step durations (`*_step_s`) and the process's compile counters. The
-models are driven through the Decoder the Engine runs (the Engine adds only the tokenizer).
+after it), with the step durations (`*_step_s`), `next_request_token_s` (a duration: a
+second, shorter prompt's first token, i.e. what a first token costs once the process has
+served one) and the process's compile counters. The models are driven through the Decoder
+the Engine runs (the Engine adds only the tokenizer).
 """
 
 from __future__ import annotations
@@ -160,6 +162,12 @@ def _child(spec: dict) -> dict:
     names = iter(("first_token_s", "first_round_s"))
     for _step in decoder.stream([prompt.tolist()], SamplingParams(max_new_tokens=2)):
         mark(next(names, "last_round_s"))
+    # A second request of another length: is the first request's prefill cost one-time?
+    started = time.time()
+    shorter = [prompt.tolist()[: spec["prompt_len"] // 2 + 1]]
+    for _step in decoder.stream(shorter, SamplingParams(max_new_tokens=1)):
+        pass
+    marks["next_request_token_s"] = time.time() - started
     order = [name for name in ("import_s", "weights_s", "artifacts_s", "warmup_s") if name in marks]
     order.append("first_token_s")
     steps = {

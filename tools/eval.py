@@ -48,9 +48,7 @@ def run(args: argparse.Namespace) -> int:
     )
     spec = Engine.from_pretrained(args.model, draft=args.draft, config=config)
     plain = Engine(spec.model, spec.tokenizer, spec.config)
-    records = [
-        evaluate_point(spec, plain, prompts, args, temperature=t) for t in args.temperatures
-    ]
+    records = [evaluate_point(spec, plain, prompts, args, temperature=t) for t in args.temperatures]
     lines = [json.dumps(record) for record in records]
     for line in lines:
         print(line)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 
 import pytest
@@ -93,3 +94,16 @@ def test_train_draft_reuses_sequences_an_earlier_run_wrote(model_dir, prompts_fi
     assert main([*argv, "--out", str(second), "--sequences", str(packed)]) == 0
     assert (second / "checkpoint" / "sequences.jsonl").read_bytes() == written.read_bytes()
     assert main([*argv, "--out", str(second)]) == 2  # neither prompts nor sequences
+
+
+def test_bench_cold_start_reports_a_fresh_process(model_dir, tmp_path, capsys):
+    # One jit point of a tiny model on the CPU: the fields BENCHMARKS.md's table is made of.
+    out = tmp_path / "cold.jsonl"
+    argv = ["bench", "cold-start", "--model", str(model_dir), "--modes", "jit"]
+    argv += ["--device", "cpu", "--dtype", "float32", "--max-seq-len", "64", "--prompt-len", "9"]
+    assert main([*argv, "--timeout", "600", "--json", str(out)]) == 0
+    (point,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "error" not in point, point
+    marks = ["import_s", "weights_s", "warmup_s", "first_token_s", "first_round_s"]
+    assert all(point[a] <= point[b] for a, b in itertools.pairwise(marks))
+    assert point["next_request_token_s"] > 0 and point["dynamo_graphs"] > 0
