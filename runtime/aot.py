@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shlex
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def build(
     precompile: bool = True,
     progress: bool = False,
     command: str = "",
+    buckets: Sequence[int] | None = None,
 ) -> Manifest:
     """Compile every step of `decoder` and write the artifacts to `out` (replacing what was
     there once complete). Resets Dynamo's in-process state (and the decoder, if it was
@@ -99,26 +101,51 @@ def build(
     filtered: also compile the top-k/top-p variant of every round.
     precompile: compile through Dynamo's precompile and save the precompiled steps (loading
         then skips tracing).
+    buckets: only these of the decoder's buckets, a part of a build: parts built in separate
+        processes (or machines with the same GPU) as subdirectories of one directory load
+        together (`load_into`).
     """
+    built = _checked_buckets(decoder, buckets)
     current = expected_manifest(decoder)
     if decoder.warmups:
         decoder.close()  # prepared steps would not be compiled (and recorded) again
     with artifacts.recording() as recording, torch.inference_mode():
         with decoder.precompiling(recording.steps.__setitem__) if precompile else nullcontext():
-            decoder.warmup(filtered=filtered, progress=progress)
-        manifest = dataclasses.replace(current, filtered=filtered, command=command)
+            decoder.warmup(filtered=filtered, progress=progress, buckets=built)
+        manifest = dataclasses.replace(current, built=built, filtered=filtered, command=command)
         return artifacts.save(recording, out, manifest)
 
 
 def is_up_to_date(
-    decoder: Decoder, out: str | Path, *, filtered: bool = True, precompile: bool = True
+    decoder: Decoder,
+    out: str | Path,
+    *,
+    filtered: bool = True,
+    precompile: bool = True,
+    buckets: Sequence[int] | None = None,
 ) -> bool:
     """Whether `out` holds intact artifacts for this decoder with at least what `build` would
     write with these options (so building again can be skipped)."""
     if not artifacts.is_up_to_date(out, expected_manifest(decoder)):
         return False
     found = artifacts.read_manifest(out, rebuild="")
-    return (found.filtered or not filtered) and (bool(found.precompiled) or not precompile)
+    return (
+        set(found.built).issuperset(_checked_buckets(decoder, buckets))
+        and (found.filtered or not filtered)
+        and (bool(found.precompiled) or not precompile)
+    )
+
+
+def _checked_buckets(decoder: Decoder, buckets: Sequence[int] | None) -> tuple[int, ...]:
+    if buckets is None:
+        return tuple(decoder.config.buckets)
+    unknown = sorted(set(buckets) - set(decoder.config.buckets))
+    if not buckets or unknown:
+        raise ValueError(
+            f"buckets to build must be some of the config's {list(decoder.config.buckets)}, "
+            f"not {list(buckets)}"
+        )
+    return tuple(sorted(set(buckets)))
 
 
 def load_into(
@@ -132,12 +159,50 @@ def load_into(
 ) -> LoadedArtifacts:
     """Verify `path` against the decoder (ValueError naming what differs; `rebuild` is the
     command that rebuilds), load the artifacts and, with `warmup`, prepare every bucket from
-    them (`filtered`: the top-k/top-p variants too; default: if the artifacts have them)."""
-    loaded = artifacts.load_artifacts(
-        path, expected_manifest(decoder), rebuild=f"rebuild with `{rebuild}`"
+    them (`filtered`: the top-k/top-p variants too; default: if the artifacts have them).
+
+    `path` is one build, or a directory of parts (`build(..., buckets=...)` into
+    subdirectories) that together cover the decoder's buckets."""
+    current, advice = expected_manifest(decoder), f"rebuild with `{rebuild}`"
+    built: set[int] = set()
+    for part in artifact_parts(path):  # refuse before loading anything into the process
+        manifest = artifacts.read_manifest(part, rebuild=advice)
+        artifacts.verify(manifest, current, path=part, rebuild=advice)
+        built.update(manifest.built)
+    missing = [bucket for bucket in decoder.config.buckets if bucket not in built]
+    if missing:
+        raise ValueError(
+            f"artifacts in {path} hold buckets {sorted(built)} but this engine also needs "
+            f"{missing}: build them into a subdirectory of it (`specrun compile ... "
+            f"--only-buckets {' '.join(map(str, missing))} --out {Path(path) / 'part-N'}`), "
+            f"or {advice}"
+        )
+    parts = [artifacts.load_artifacts(p, current, rebuild=advice) for p in artifact_parts(path)]
+    loaded = LoadedArtifacts(
+        dataclasses.replace(
+            parts[0].manifest,
+            built=tuple(sorted(built)),
+            filtered=all(part.manifest.filtered for part in parts),
+            precompiled=tuple(name for part in parts for name in part.manifest.precompiled),
+        ),
+        {name: sum((part.steps.get(name, ()) for part in parts), ()) for name in _names(parts)},
+        sum(part.seconds for part in parts),
     )
     decoder.add_precompiled(loaded.steps)
     if warmup:
         variant = loaded.manifest.filtered if filtered is None else filtered
         decoder.warmup(filtered=variant, progress=progress)
     return loaded
+
+
+def artifact_parts(path: str | Path) -> list[Path]:
+    """The artifact directories `path` holds: itself if it has a manifest, else each
+    subdirectory that has one (the parts of a build), else [path] (refused when loaded)."""
+    path = Path(path)
+    if (path / artifacts.MANIFEST_FILE).is_file():
+        return [path]
+    return sorted(p.parent for p in path.glob(f"*/{artifacts.MANIFEST_FILE}")) or [path]
+
+
+def _names(parts: Sequence[LoadedArtifacts]) -> list[str]:
+    return sorted({name for part in parts for name in part.steps})

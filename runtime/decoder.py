@@ -130,11 +130,17 @@ class Decoder:
                 )
 
     def warmup(
-        self, *, filtered: bool = False, progress: bool = False
+        self,
+        *,
+        filtered: bool = False,
+        progress: bool = False,
+        buckets: Sequence[int] | None = None,
     ) -> dict[tuple[int, bool], BucketWarmup]:
-        """Compile (and on CUDA capture) every bucket, largest first; `filtered` also prepares
-        the top-k/top-p variant (otherwise prepared when first needed). Idempotent."""
-        variants = [(b, f) for b in reversed(self.config.buckets) for f in {False, filtered}]
+        """Compile (and on CUDA capture) every bucket (or only `buckets`, a subset of the
+        config's), largest first; `filtered` also prepares the top-k/top-p variant (otherwise
+        prepared when first needed). Idempotent."""
+        chosen = self.config.buckets if buckets is None else sorted(buckets)
+        variants = [(b, f) for b in reversed(chosen) for f in {False, filtered}]
         todo = [key for key in variants if key not in self.warmups]
         for bucket, variant in tqdm(todo, desc="warm-up", unit="graph", disable=not progress):
             self.prepare(bucket, filtered=variant)
@@ -308,9 +314,11 @@ class Decoder:
         return self._states[bucket]
 
     def _kv_stores(self, bucket: int) -> tuple[KVCache, KVCache | None]:
-        """KV caches for the largest bucket with graphs; eagerly, grown to what is needed
-        (growing drops the states built on the smaller stores)."""
-        num_slots = self.config.buckets[-1] if self.use_graphs else bucket
+        """KV caches for the largest bucket with graphs or compiled steps (the steps' guards
+        hold the strides of its views: the same whatever order buckets are first used in, as
+        artifacts built in another process need); eagerly, grown to what is needed (growing
+        drops the states built on the smaller stores)."""
+        num_slots = self.config.buckets[-1] if self._compiled or self.use_graphs else bucket
         if self._stores is None or self._stores[0].k.shape[1] < num_slots:
             self._states.clear()
             self._stores = allocate_caches(

@@ -10,6 +10,10 @@ then loads without compiling. See runtime/graphs/artifacts.py for what each file
 
 Idempotent: if `--out` already holds intact artifacts for the same inputs, nothing is done
 (`--force` rebuilds); otherwise the new directory is built beside it and swapped in complete.
+
+`--only-buckets` builds a part: the graphs of some of `--buckets`, for the same engine. Parts
+written as subdirectories of one directory (`--out DIR/part-1`, `--out DIR/part-2` ...), by
+separate processes or machines with the same GPU, load together: `artifacts=DIR`.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="compile caches only: loading skips Inductor and Triton but Dynamo still traces",
     )
+    parser.add_argument(
+        "--only-buckets", type=int, nargs="+", default=None, metavar="B",
+        help="build only these of --buckets (one part of a build; see above)",
+    )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.set_defaults(func=run)
 
@@ -86,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     decoder = Decoder(target, head, config)
     filtered, precompile = not args.skip_filtered, not args.no_precompile
     if not args.force and aot.is_up_to_date(
-        decoder, args.out, filtered=filtered, precompile=precompile
+        decoder, args.out, filtered=filtered, precompile=precompile, buckets=args.only_buckets
     ):
         print(f"{args.out} is up to date for these inputs (--force rebuilds)")
         return 0
@@ -98,12 +106,14 @@ def run(args: argparse.Namespace) -> int:
         precompile=precompile,
         progress=True,
         command=shlex.join(["specrun", *sys.argv[1:]]),
+        buckets=args.only_buckets,
     )
     seconds = time.perf_counter() - loaded
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(
         f"wrote {args.out}: {len(manifest.files)} files, {size / 2**20:.1f} MiB, "
-        f"{len(manifest.buckets)} buckets, {len(manifest.precompiled)} precompiled graphs, "
+        f"buckets {list(manifest.built)} of {list(manifest.buckets)}, "
+        f"{len(manifest.precompiled)} precompiled graphs, "
         f"for {manifest.device} ({manifest.capability}), torch {manifest.torch}; "
         f"loaded in {loaded - started:.1f} s, compiled in {seconds:.1f} s"
     )

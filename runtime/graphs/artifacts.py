@@ -83,7 +83,9 @@ _VECTOR_FLAGS = frozenset((
 @dataclass(frozen=True)
 class Manifest:
     """What an artifact directory was built for (the fields in COMPARED must match the loading
-    process) and what it holds (`filtered`, `precompiled`, `files`, `command`, `created`)."""
+    process) and what it holds (`built`: the buckets whose graphs it has, all of `buckets`
+    unless it is one part of a build; `filtered`, `precompiled`, `files`, `command`,
+    `created`)."""
 
     format: int
     torch: str
@@ -99,6 +101,7 @@ class Manifest:
     max_seq_len: int
     cuda_graphs: bool
     steps_source: str
+    built: tuple[int, ...] = ()
     filtered: bool = False
     precompiled: tuple[str, ...] = ()
     files: tuple[tuple[str, str], ...] = ()
@@ -127,7 +130,7 @@ class Manifest:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, dict) or not names.issuperset(data):
             raise ValueError(f"unknown fields {sorted(set(data) - names)}")
-        for name in ("buckets", "trees", "precompiled"):
+        for name in ("buckets", "built", "trees", "precompiled"):
             data[name] = tuple(data.get(name, ()))
         data["files"] = tuple(tuple(pair) for pair in data.get("files", ()))
         return cls(**data)

@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=64)
     parser.add_argument("--filtered", action="store_true")
     parser.add_argument("--engine", action="store_true", help="load: Engine.from_pretrained")
+    parser.add_argument("--only-buckets", type=int, nargs="+", default=None, help="build: a part")
     args = parser.parse_args()
     started = time.perf_counter()
     config = EngineConfig(
@@ -63,7 +64,7 @@ def main() -> None:
         head = load_draft(args.draft, target=target) if args.draft else None
         decoder = Decoder(target, head, config)
     if args.mode == "build":
-        aot.build(decoder, args.out, filtered=args.filtered)
+        aot.build(decoder, args.out, filtered=args.filtered, buckets=args.only_buckets)
     elif not use_engine:
         aot.load_into(decoder, args.out, rebuild="specrun compile ...")
     ready = time.perf_counter() - started

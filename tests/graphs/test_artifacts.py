@@ -260,3 +260,25 @@ def test_gpu_engine_starts_from_artifacts_in_a_fresh_process(smollm_dir, tmp_pat
     assert loaded["counters"]["dynamo_graphs"] == 0
     assert loaded["counters"]["fxgraph_cache_miss"] == 0
     assert jit_compiles(loaded) == {} and precompiled_calls(loaded) > 0
+
+
+def test_parts_built_in_separate_processes_load_together(tmp_path):
+    """Buckets 1 and 2 built by two processes into subdirectories of one directory: a third
+    process loads the directory, traces nothing and decodes like the builds; one part alone
+    is refused with the command that builds the rest."""
+    save_target(random_llama(tiny_config(num_layers=1)), tmp_path / "model")
+    cache, parts = tmp_path / "inductor-cache", tmp_path / "parts"
+    builds = []
+    for bucket in (1, 2):
+        part = ["--only-buckets", str(bucket), "--out", str(parts / f"part-{bucket}")]
+        builds.append(run_child("build", tmp_path, "--buckets", "1", "2", *part, cache=cache))
+        assert artifacts.read_manifest(parts / f"part-{bucket}", rebuild="").built == (bucket,)
+    loaded = run_child("load", tmp_path, "--buckets", "1", "2", "--out", str(parts), cache=cache)
+    assert loaded["outputs"] == builds[0]["outputs"] == builds[1]["outputs"]
+    assert jit_compiles(loaded) == {} and precompiled_calls(loaded) > 0, loaded["steps"]
+    assert loaded["counters"]["dynamo_graphs"] == 0
+    decoder = _decoder(tmp_path, dataclasses.replace(CONFIG, buckets=(1, 2)))
+    with pytest.raises(ValueError, match=r"hold buckets \[1\] but this engine also needs \[2\]"):
+        aot.load_into(decoder, parts / "part-1", rebuild="x")
+    with pytest.raises(ValueError, match="buckets to build must be some of"):
+        aot.build(decoder, tmp_path / "never", buckets=(4,))
