@@ -33,7 +33,7 @@ import time
 # The arguments a child process needs.
 SPEC_KEYS = (
     "model", "draft", "random_8b", "plain", "artifacts", "buckets", "tree", "max_seq_len",
-    "device", "dtype", "prompt_len", "filtered", "no_precompile",
+    "device", "dtype", "prompt_len", "filtered", "no_precompile", "only_buckets",
 )  # fmt: skip
 
 
@@ -63,6 +63,11 @@ def register(subjects: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--filtered", action="store_true", help="top-k/top-p variants too")
     parser.add_argument("--no-precompile", action="store_true", help="build: caches only")
+    parser.add_argument(
+        "--only-buckets", type=int, nargs="+", default=None, metavar="B",
+        help="build: a part (some of --buckets) into --artifacts, e.g. DIR/part-1; artifacts: "
+        "--artifacts DIR loads every part in it (`specrun compile --only-buckets`)",
+    )  # fmt: skip
     parser.add_argument("--repeat", type=int, default=1, help="points per mode")
     parser.add_argument("--warm-cache", action="store_true", help="share the Inductor cache")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per child")
@@ -93,7 +98,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _has_artifacts(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "manifest.json"))
+    """Whether `path` holds artifacts, or parts of them in subdirectories."""
+    manifests = [os.path.join(path, "manifest.json")]
+    if os.path.isdir(path):
+        manifests += [os.path.join(path, part, "manifest.json") for part in os.listdir(path)]
+    return any(os.path.isfile(manifest) for manifest in manifests)
 
 
 def _launch(spec: dict, args: argparse.Namespace) -> dict:
@@ -148,23 +157,32 @@ def _child(spec: dict) -> dict:
     decoder = Decoder(target, head, config)
     mode, path = spec["mode"], spec["artifacts"]
     if mode == "build":
-        aot.build(decoder, path, filtered=spec["filtered"], precompile=not spec["no_precompile"])
+        aot.build(
+            decoder,
+            path,
+            filtered=spec["filtered"],
+            precompile=not spec["no_precompile"],
+            buckets=spec["only_buckets"],
+        )
         mark("artifacts_s")
     elif mode == "artifacts":
         rebuild = "specrun bench cold-start ... --modes build (same arguments)"
         aot.load_into(decoder, path, rebuild=rebuild, warmup=False)
         mark("artifacts_s")
-    decoder.warmup(filtered=spec["filtered"])
+    # A part's build serves from its own buckets: the others were never meant to compile.
+    part = spec["only_buckets"] if mode == "build" else None
+    decoder.warmup(filtered=spec["filtered"], buckets=part)
     _sync(torch)
     mark("warmup_s")
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (spec["prompt_len"],), generator=generator)
     names = iter(("first_token_s", "first_round_s"))
-    for _step in decoder.stream([prompt.tolist()], SamplingParams(max_new_tokens=2)):
+    batch = [prompt.tolist()] * min(part or [1])
+    for _step in decoder.stream(batch, SamplingParams(max_new_tokens=2)):
         mark(next(names, "last_round_s"))
     # A second request of another length: is the first request's prefill cost one-time?
     started = time.time()
-    shorter = [prompt.tolist()[: spec["prompt_len"] // 2 + 1]]
+    shorter = [prompt.tolist()[: spec["prompt_len"] // 2 + 1]] * len(batch)
     for _step in decoder.stream(shorter, SamplingParams(max_new_tokens=1)):
         pass
     marks["next_request_token_s"] = time.time() - started
@@ -179,6 +197,7 @@ def _child(spec: dict) -> dict:
         "model": model_name,
         "draft": head is not None,
         "buckets": list(config.buckets),
+        "only_buckets": spec["only_buckets"],
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         **marks,
