@@ -13,10 +13,12 @@
 
 `expected_manifest` is the decoder's fingerprint: torch / triton / Python, device, dtype,
 model and head configs, buckets and their trees, KV capacity, CUDA graphs on or off, and the
-specrun source of the steps. `load_into` verifies an artifact directory against it (a
-mismatch is a ValueError naming the field and the command that rebuilds), loads the caches
-and precompiled steps into the process and warms the decoder up from them: no Inductor
-lowering, no Triton compilation or autotuning, and no Dynamo tracing for precompiled graphs.
+specrun source of the steps. A build may be split into parts (`build(..., buckets=...)`),
+each an artifact directory of its own under one parent. `load_into` verifies an artifact
+directory (or every part in one) against it (a mismatch is a ValueError naming the field and
+the command that rebuilds), loads the caches and precompiled steps into the process and
+warms the decoder up from them: no Inductor lowering, no Triton compilation or autotuning,
+and no Dynamo tracing for precompiled graphs.
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ def load_into(
     subdirectories) that together cover the decoder's buckets."""
     current, advice = expected_manifest(decoder), f"rebuild with `{rebuild}`"
     built: set[int] = set()
-    for part in artifact_parts(path):  # refuse before loading anything into the process
+    parts = artifact_parts(path)
+    for part in parts:  # refuse before loading anything into the process
         manifest = artifacts.read_manifest(part, rebuild=advice)
         artifacts.verify(manifest, current, path=part, rebuild=advice)
         built.update(manifest.built)
@@ -177,17 +180,7 @@ def load_into(
             f"--only-buckets {' '.join(map(str, missing))} --out {Path(path) / 'part-N'}`), "
             f"or {advice}"
         )
-    parts = [artifacts.load_artifacts(p, current, rebuild=advice) for p in artifact_parts(path)]
-    loaded = LoadedArtifacts(
-        dataclasses.replace(
-            parts[0].manifest,
-            built=tuple(sorted(built)),
-            filtered=all(part.manifest.filtered for part in parts),
-            precompiled=tuple(name for part in parts for name in part.manifest.precompiled),
-        ),
-        {name: sum((part.steps.get(name, ()) for part in parts), ()) for name in _names(parts)},
-        sum(part.seconds for part in parts),
-    )
+    loaded = _merged([artifacts.load_artifacts(p, current, rebuild=advice) for p in parts])
     decoder.add_precompiled(loaded.steps)
     if warmup:
         variant = loaded.manifest.filtered if filtered is None else filtered
@@ -204,5 +197,15 @@ def artifact_parts(path: str | Path) -> list[Path]:
     return sorted(p.parent for p in path.glob(f"*/{artifacts.MANIFEST_FILE}")) or [path]
 
 
-def _names(parts: Sequence[LoadedArtifacts]) -> list[str]:
-    return sorted({name for part in parts for name in part.steps})
+def _merged(parts: Sequence[LoadedArtifacts]) -> LoadedArtifacts:
+    """The parts of a build as one: every precompiled step of each (a step's functions are
+    tried in turn, so two parts' prefill graphs for the same shapes are harmless)."""
+    names = sorted({name for part in parts for name in part.steps})
+    manifest = dataclasses.replace(
+        parts[0].manifest,
+        built=tuple(sorted({bucket for part in parts for bucket in part.manifest.built})),
+        filtered=all(part.manifest.filtered for part in parts),
+        precompiled=tuple(name for part in parts for name in part.manifest.precompiled),
+    )
+    steps = {name: sum((part.steps.get(name, ()) for part in parts), ()) for name in names}
+    return LoadedArtifacts(manifest, steps, sum(part.seconds for part in parts))
