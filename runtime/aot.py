@@ -107,7 +107,7 @@ def build(
         processes (or machines with the same GPU) as subdirectories of one directory load
         together (`load_into`).
     """
-    built = _checked_buckets(decoder, buckets)
+    built = _part_buckets(decoder, buckets)
     current = expected_manifest(decoder)
     if decoder.warmups:
         decoder.close()  # prepared steps would not be compiled (and recorded) again
@@ -132,13 +132,13 @@ def is_up_to_date(
         return False
     found = artifacts.read_manifest(out, rebuild="")
     return (
-        set(found.built).issuperset(_checked_buckets(decoder, buckets))
+        set(found.built).issuperset(_part_buckets(decoder, buckets))
         and (found.filtered or not filtered)
         and (bool(found.precompiled) or not precompile)
     )
 
 
-def _checked_buckets(decoder: Decoder, buckets: Sequence[int] | None) -> tuple[int, ...]:
+def _part_buckets(decoder: Decoder, buckets: Sequence[int] | None) -> tuple[int, ...]:
     if buckets is None:
         return tuple(decoder.config.buckets)
     unknown = sorted(set(buckets) - set(decoder.config.buckets))

@@ -99,10 +99,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _has_artifacts(path: str) -> bool:
     """Whether `path` holds artifacts, or parts of them in subdirectories."""
-    manifests = [os.path.join(path, "manifest.json")]
-    if os.path.isdir(path):
-        manifests += [os.path.join(path, part, "manifest.json") for part in os.listdir(path)]
-    return any(os.path.isfile(manifest) for manifest in manifests)
+    from ..runtime.aot import artifact_parts
+    from ..runtime.graphs.artifacts import MANIFEST_FILE
+
+    return any((part / MANIFEST_FILE).is_file() for part in artifact_parts(path))
 
 
 def _launch(spec: dict, args: argparse.Namespace) -> dict:
