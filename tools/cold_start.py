@@ -16,15 +16,19 @@ directory, or built with random weights), `artifacts_s` (loaded; build mode: wri
 prompt prefilled and its first token on the host), `first_round_s` (the first decoding round
 after it), with the step durations (`*_step_s`), `next_request_token_s` (a duration: a
 second, shorter prompt's first token, i.e. what a first token costs once the process has
-served one) and the process's compile counters. The models are driven through the Decoder
-the Engine runs (the Engine adds only the tokenizer).
+served one), `bucket_prepare_s` (each bucket's prepare: its prefill, round warm-up and
+capture) and the process's compile counters. `--profile DIR` writes each child's cProfile
+(from the imports on) to DIR as `cold-MODE-N.pstats` and its top functions to `.txt`. The
+models are driven through the Decoder the Engine runs (the Engine adds only the tokenizer).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -33,7 +37,7 @@ import time
 # The arguments a child process needs.
 SPEC_KEYS = (
     "model", "draft", "random_8b", "plain", "artifacts", "buckets", "tree", "max_seq_len",
-    "device", "dtype", "prompt_len", "filtered", "no_precompile", "only_buckets",
+    "device", "dtype", "prompt_len", "filtered", "no_precompile", "only_buckets", "profile",
 )  # fmt: skip
 
 
@@ -72,6 +76,9 @@ def register(subjects: argparse._SubParsersAction) -> None:
     parser.add_argument("--warm-cache", action="store_true", help="share the Inductor cache")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per child")
     parser.add_argument("--json", default=None, help="also write the JSON lines here")
+    parser.add_argument(
+        "--profile", default=None, metavar="DIR", help="write each child's cProfile to DIR"
+    )
     parser.set_defaults(func=run)
 
 
@@ -80,13 +87,15 @@ def run(args: argparse.Namespace) -> int:
     if ("build" in modes or "artifacts" in modes) and not args.artifacts:
         raise ValueError("modes build and artifacts need --artifacts DIR")
     spec = {key: getattr(args, key) for key in SPEC_KEYS}
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     if "artifacts" in modes and "build" not in modes and not _has_artifacts(args.artifacts):
         modes = ["build", *modes]
     sink = open(args.json, "w") if args.json else None  # noqa: SIM115
     try:
         for mode in modes:
-            for _ in range(1 if mode == "build" else args.repeat):
-                point = _launch(spec | {"mode": mode}, args)
+            for index in range(1 if mode == "build" else args.repeat):
+                point = _launch(spec | {"mode": mode, "index": index}, args)
                 line = json.dumps(point)
                 print(line, flush=True)
                 if sink:
@@ -130,7 +139,24 @@ def _launch(spec: dict, args: argparse.Namespace) -> dict:
 
 
 def _child(spec: dict) -> dict:
-    """One point, inside the fresh process."""
+    """One point, inside the fresh process (profiled with `--profile`)."""
+    if not spec.get("profile"):
+        return _point(spec)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        return _point(spec)
+    finally:
+        profiler.disable()
+        stem = os.path.join(spec["profile"], f"cold-{spec['mode']}-{spec.get('index', 0)}")
+        profiler.dump_stats(stem + ".pstats")
+        with open(stem + ".txt", "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(120)
+            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(60)
+
+
+def _point(spec: dict) -> dict:
+    """One point's timings and counters."""
     launched = spec["launched"]
     marks: dict[str, float] = {}
 
@@ -202,6 +228,10 @@ def _child(spec: dict) -> dict:
         "torch": torch.__version__,
         **marks,
         **steps,
+        "bucket_prepare_s": {
+            f"{bucket}{'f' if filtered else ''}": round(warmup.seconds, 3)
+            for (bucket, filtered), warmup in decoder.warmups.items()
+        },
         **compile_counters(),
     }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import pstats
 
 import pytest
 import torch
@@ -101,9 +102,13 @@ def test_bench_cold_start_reports_a_fresh_process(model_dir, tmp_path, capsys):
     out = tmp_path / "cold.jsonl"
     argv = ["bench", "cold-start", "--model", str(model_dir), "--modes", "jit"]
     argv += ["--device", "cpu", "--dtype", "float32", "--max-seq-len", "64", "--prompt-len", "9"]
+    argv += ["--profile", str(tmp_path / "profile")]
     assert main([*argv, "--timeout", "600", "--json", str(out)]) == 0
     (point,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert "error" not in point, point
     marks = ["import_s", "weights_s", "warmup_s", "first_token_s", "first_round_s"]
     assert all(point[a] <= point[b] for a, b in itertools.pairwise(marks))
     assert point["next_request_token_s"] > 0 and point["dynamo_graphs"] > 0
+    assert 0 < point["bucket_prepare_s"]["1"] <= point["warmup_s"]
+    stats = pstats.Stats(str(tmp_path / "profile" / "cold-jit-0.pstats"))
+    assert any(name == "_point" for _, _, name in stats.stats)
