@@ -18,8 +18,9 @@ after it), with the step durations (`*_step_s`), `next_request_token_s` (a durat
 second, shorter prompt's first token, i.e. what a first token costs once the process has
 served one), `bucket_prepare_s` (each bucket's prepare: its prefill, round warm-up and
 capture) and the process's compile counters. `--profile DIR` writes each child's cProfile
-(from the imports on) to DIR as `cold-MODE-N.pstats` and its top functions to `.txt`. The
-models are driven through the Decoder the Engine runs (the Engine adds only the tokenizer).
+phase by phase (up to each mark) to DIR as `cold-MODE-N-PHASE.pstats`, with its top
+functions in `.txt`. The models are driven through the Decoder the Engine runs (the Engine
+adds only the tokenizer).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import logging
 import os
 import pstats
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 # The arguments a child process needs.
 SPEC_KEYS = (
@@ -139,29 +142,42 @@ def _launch(spec: dict, args: argparse.Namespace) -> dict:
 
 
 def _child(spec: dict) -> dict:
-    """One point, inside the fresh process (profiled with `--profile`)."""
+    """One point, inside the fresh process (profiled phase by phase with `--profile`)."""
     if not spec.get("profile"):
-        return _point(spec)
+        return _point(spec, lambda name: None)
+    stem = os.path.join(spec["profile"], f"cold-{spec['mode']}-{spec.get('index', 0)}")
     profiler = cProfile.Profile()
+
+    def phase_done(name: str) -> None:
+        nonlocal profiler
+        profiler.disable()
+        _write_profile(profiler, f"{stem}-{name.removesuffix('_s')}")
+        profiler = cProfile.Profile()
+        profiler.enable()
+
     profiler.enable()
     try:
-        return _point(spec)
+        return _point(spec, phase_done)
     finally:
         profiler.disable()
-        stem = os.path.join(spec["profile"], f"cold-{spec['mode']}-{spec.get('index', 0)}")
-        profiler.dump_stats(stem + ".pstats")
-        with open(stem + ".txt", "w") as f:
-            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(120)
-            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(60)
 
 
-def _point(spec: dict) -> dict:
-    """One point's timings and counters."""
+def _write_profile(profiler: cProfile.Profile, stem: str) -> None:
+    """The profile as pstats and as text (top functions by cumulative and own time)."""
+    profiler.dump_stats(stem + ".pstats")
+    with open(stem + ".txt", "w") as f:
+        pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(80)
+        pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
+
+
+def _point(spec: dict, phase_done: Callable[[str], None]) -> dict:
+    """One point's timings and counters; `phase_done(mark)` is called at each mark."""
     launched = spec["launched"]
     marks: dict[str, float] = {}
 
     def mark(name: str) -> None:
         marks[name] = time.time() - launched
+        phase_done(name)
 
     import torch
 
@@ -264,6 +280,12 @@ def _sync(torch) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        # specrun's own INFO lines (artifact loading, bucket preparation) go to stderr,
+        # which the parent passes through.
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        logging.getLogger("specrun").addHandler(handler)
+        logging.getLogger("specrun").setLevel(logging.INFO)
         print(json.dumps(_child(json.loads(sys.argv[2]))), flush=True)
     else:
         sys.exit("usage: specrun bench cold-start ... (this module's --child is internal)")

@@ -18,6 +18,11 @@ An artifact directory holds:
   experimental in torch 2.10-2.11), one per (bucket, sampling variant) of the static-shape
   round: loaded with `torch.compiler.load_compiled_function`, they also skip Dynamo tracing.
   Each keeps its serialisable guards; a call is dispatched to the first whose guards pass.
+- `triton_kernels.zip` (GPU builds): Triton's cache entries for kernels compiled outside
+  Inductor while building (custom ops' Triton kernels launched through Triton's JIT, such as
+  `rt::tree_attention` placed by a post-grad pass, and their compiled launchers), which the
+  mega-cache does not carry; restored into this process's Triton cache directory, so those
+  kernels load instead of compiling (and no C compiler runs for their launchers).
 - `cpu_kernels.zip` (CPU builds): Inductor's compiled C++ kernel libraries, which the
   mega-cache does not carry; restored into the Inductor cache directory, where they are used
   when the compile command matches (same compiler, flags and paths) and rebuilt otherwise.
@@ -41,7 +46,6 @@ import platform
 import shutil
 import tempfile
 import time
-import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,12 +53,23 @@ from typing import Any
 
 import torch
 
+from .kernel_archives import (
+    cpu_kernel_files,
+    inductor_cache_dir,
+    pack,
+    private_triton_cache,
+    restore,
+    triton_cache_dir,
+    triton_cache_files,
+)
+
 logger = logging.getLogger(__name__)
 
 ARTIFACT_FORMAT = 1
 MANIFEST_FILE = "manifest.json"
 CACHE_FILE = "compile_cache.bin"
 CPU_KERNELS_FILE = "cpu_kernels.zip"
+TRITON_KERNELS_FILE = "triton_kernels.zip"
 STEPS_DIR = "steps"
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 # The specrun source the compiled steps are made of (relative to the package root).
@@ -73,7 +88,6 @@ STEP_SOURCES = (
     "runtime/passes/*.py",
     "runtime/kernels/*.py",
 )
-_KERNEL_SUFFIXES = (".so", ".o")
 _VECTOR_FLAGS = frozenset((
     "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
     "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2",
@@ -279,43 +293,82 @@ def is_up_to_date(path: str | Path, current: Manifest) -> bool:
 
 def load_artifacts(path: str | Path, current: Manifest, *, rebuild: str) -> LoadedArtifacts:
     """Verify the artifacts in `path` against this process and load them: the compile caches
-    (and CPU kernel libraries) into Inductor's cache, the precompiled steps into memory."""
+    into Inductor's cache, kernel files into Inductor's and Triton's caches, the precompiled
+    steps as `DeferredStep`s (loaded on first use)."""
     started = time.perf_counter()
     manifest = read_manifest(path, rebuild=rebuild)
     verify(manifest, current, path=path, rebuild=rebuild)
     check_files(path, manifest, rebuild=rebuild)
     _check_caches_enabled()
     info = torch.compiler.load_cache_artifacts((Path(path) / CACHE_FILE).read_bytes())
-    kernels = Path(path) / CPU_KERNELS_FILE
-    num_kernels = _restore_kernels(kernels) if kernels.is_file() else 0
+    cached = time.perf_counter()
+    num_kernels = restore(Path(path) / CPU_KERNELS_FILE, inductor_cache_dir())
+    num_kernels += restore(Path(path) / TRITON_KERNELS_FILE, triton_cache_dir(), groups=True)
+    restored = time.perf_counter()
     steps: dict[str, list[Callable[..., Any]]] = {}
     for name in manifest.precompiled:
-        # Guards are rebuilt on load against the thread's dispatch state: load under the
-        # mode the steps run in (inference mode), or every tensor guard fails.
-        try:
-            with open(Path(path) / STEPS_DIR / f"{name}.bin", "rb") as f, torch.inference_mode():
-                fn = torch.compiler.load_compiled_function(f)
-        except Exception as e:  # experimental in torch: the caches alone still serve
-            logger.warning(
-                "precompiled step %s could not be loaded (%s: %s); it will be traced and "
-                "compiled from the caches instead", name, type(e).__name__, e,
-            )  # fmt: skip
-            continue
-        fn.disable_guard_check()  # CompiledStep checks guards itself, once per call
-        steps.setdefault(name.split("-")[0], []).append(fn)
+        deferred = DeferredStep(Path(path) / STEPS_DIR / f"{name}.bin")
+        steps.setdefault(name.split("-")[0], []).append(deferred)
     seconds = time.perf_counter() - started
     logger.info(
-        "loaded artifacts from %s in %.2f s: %s, %d CPU kernels, %d precompiled steps",
-        path, seconds, info, num_kernels, len(manifest.precompiled),
+        "loaded artifacts from %s in %.2f s (caches %.2f s, %d kernel files %.2f s; "
+        "%d precompiled steps load on first use): %s",
+        path, seconds, cached - started, num_kernels, restored - cached,
+        len(manifest.precompiled), info,
     )  # fmt: skip
     return LoadedArtifacts(manifest, {k: tuple(v) for k, v in steps.items()}, seconds)
 
 
+class DeferredStep:
+    """A precompiled step (`steps/NAME.bin`), loaded on its first guard check.
+
+    The parts of a build each carry the dynamic prefill graphs they needed; a step tries its
+    precompiled functions in order and stops at the first whose guards pass, so the copies
+    behind it are never loaded. A step that fails to load (precompile is experimental in
+    torch) is logged and never passes: the call is then traced and compiled from the
+    caches instead."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fn: Any = None
+        self._tried = False
+
+    def guard_check(self, *args: Any, **kwargs: Any) -> bool:
+        fn = self._load()
+        return fn is not None and fn.guard_check(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def _load(self) -> Any:
+        if self._tried:
+            return self._fn
+        self._tried = True
+        started = time.perf_counter()
+        # Guards are rebuilt on load against the thread's dispatch state: load under the
+        # mode the steps run in (inference mode), or every tensor guard fails.
+        try:
+            with open(self.path, "rb") as f, torch.inference_mode():
+                fn = torch.compiler.load_compiled_function(f)
+        except Exception as e:
+            logger.warning(
+                "precompiled step %s could not be loaded (%s: %s); it will be traced and "
+                "compiled from the caches instead", self.path, type(e).__name__, e,
+            )  # fmt: skip
+            return None
+        fn.disable_guard_check()  # CompiledStep checks guards itself, once per call
+        self._fn = fn
+        logger.info("loaded %s in %.2f s", self.path, time.perf_counter() - started)
+        return fn
+
+
 @dataclass
 class Recording:
-    """What `recording()` captured; `cache_dir` is the private Inductor cache of the build."""
+    """What `recording()` captured; `cache_dir` is the private Inductor cache of the build,
+    `triton_dir` the private Triton cache of kernels compiled outside Inductor."""
 
     cache_dir: Path
+    triton_dir: Path
     steps: dict[str, Any] = field(default_factory=dict)
 
 
@@ -333,8 +386,9 @@ def recording() -> Iterator[Recording]:
         tempfile.TemporaryDirectory(prefix="specrun-build-") as cache,
         temporary_cache_dir(cache),
         CacheArtifactManager.with_fresh_cache(),
+        private_triton_cache(Path(cache) / "triton-jit") as triton_dir,
     ):
-        yield Recording(Path(cache))
+        yield Recording(Path(cache), triton_dir)
 
 
 def save(recording: Recording, out: str | Path, manifest: Manifest) -> Manifest:
@@ -348,8 +402,9 @@ def save(recording: Recording, out: str | Path, manifest: Manifest) -> Manifest:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (staging / CACHE_FILE).write_bytes(saved[0])
-        if _pack_kernels(recording.cache_dir, staging / CPU_KERNELS_FILE) == 0:
-            (staging / CPU_KERNELS_FILE).unlink()
+        pack(cpu_kernel_files(recording.cache_dir), staging / CPU_KERNELS_FILE)
+        triton_files = triton_cache_files(recording.triton_dir)
+        pack(triton_files, staging / TRITON_KERNELS_FILE, root=recording.triton_dir)
         (staging / STEPS_DIR).mkdir()
         for name, fn in sorted(recording.steps.items()):
             fn.save_compiled_function(str(staging / STEPS_DIR / f"{name}.bin"))
@@ -389,36 +444,6 @@ def _check_caches_enabled() -> None:
         )
     if not functorch.enable_autograd_cache:
         logger.warning("AOTAutograd's cache is off: loaded artifacts still skip Inductor")
-
-
-def _pack_kernels(cache_dir: Path, archive: Path) -> int:
-    """Zip Inductor's compiled C++ kernel libraries (`<cache>/<2 chars>/<hash>.so|.o`)."""
-    count = 0
-    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        for path in sorted(cache_dir.glob("??/*")):
-            if path.suffix in _KERNEL_SUFFIXES and path.is_file():
-                zf.write(path, str(path.relative_to(cache_dir)))
-                count += 1
-    return count
-
-
-def _restore_kernels(archive: Path) -> int:
-    """Unpack kernel libraries into Inductor's cache directory, keeping files already there."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    root = Path(cache_dir())
-    count = 0
-    with zipfile.ZipFile(archive) as zf:
-        for member in zf.namelist():
-            target = root / member
-            if Path(member).is_absolute() or ".." in Path(member).parts or target.exists():
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.{os.getpid()}")
-            partial.write_bytes(zf.read(member))
-            os.replace(partial, target)
-            count += 1
-    return count
 
 
 def _sha256(path: Path) -> str:

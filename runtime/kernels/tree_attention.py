@@ -75,7 +75,13 @@ def _prefix_step(
     return _softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION)
 
 
-@triton.jit
+# Arguments that vary with a prefill's prompt length: left unspecialised (Triton would
+# otherwise compile a variant per "== 1" / "% 16 == 0" case), so the kernel compiled for one
+# length, at warm-up or in ahead-of-time artifacts, serves every length.
+_LENGTH_ARGS = ("sa_b", "sa_m", "num_queries", "num_tree")
+
+
+@triton.jit(do_not_specialize=_LENGTH_ARGS)
 def _tree_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, cache_len_ptr, kt_ptr, vt_ptr, anc_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,

@@ -110,5 +110,5 @@ def test_bench_cold_start_reports_a_fresh_process(model_dir, tmp_path, capsys):
     assert all(point[a] <= point[b] for a, b in itertools.pairwise(marks))
     assert point["next_request_token_s"] > 0 and point["dynamo_graphs"] > 0
     assert 0 < point["bucket_prepare_s"]["1"] <= point["warmup_s"]
-    stats = pstats.Stats(str(tmp_path / "profile" / "cold-jit-0.pstats"))
-    assert any(name == "_point" for _, _, name in stats.stats)
+    stats = pstats.Stats(str(tmp_path / "profile" / "cold-jit-0-warmup.pstats"))
+    assert any(name == "warmup" for _, _, name in stats.stats)
