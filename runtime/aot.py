@@ -126,16 +126,28 @@ def is_up_to_date(
     precompile: bool = True,
     buckets: Sequence[int] | None = None,
 ) -> bool:
-    """Whether `out` holds intact artifacts for this decoder with at least what `build` would
-    write with these options (so building again can be skipped)."""
-    if not artifacts.is_up_to_date(out, expected_manifest(decoder)):
-        return False
-    found = artifacts.read_manifest(out, rebuild="")
-    return (
-        set(found.built).issuperset(_part_buckets(decoder, buckets))
-        and (found.filtered or not filtered)
-        and (bool(found.precompiled) or not precompile)
-    )
+    """Whether `out` (one build, or a directory of parts) holds intact artifacts for this
+    decoder with at least what `build` would write with these options (so building again
+    can be skipped)."""
+    current, built = expected_manifest(decoder), set()
+    for part in artifact_parts(out):
+        if not artifacts.is_up_to_date(part, current):
+            return False
+        found = artifacts.read_manifest(part, rebuild="")
+        if (filtered and not found.filtered) or (precompile and not found.precompiled):
+            return False
+        built.update(found.built)
+    return built.issuperset(_part_buckets(decoder, buckets))
+
+
+def split_buckets(buckets: Sequence[int], num_parts: int) -> list[tuple[int, ...]]:
+    """`buckets` dealt largest first into at most `num_parts` parts of similar cost."""
+    if num_parts < 1:
+        raise ValueError(f"the number of parts must be at least 1, not {num_parts}")
+    parts: list[list[int]] = [[] for _ in range(min(num_parts, len(buckets)))]
+    for index, bucket in enumerate(sorted(buckets, reverse=True)):
+        parts[index % len(parts)].append(bucket)
+    return [tuple(sorted(part)) for part in parts]
 
 
 def _part_buckets(decoder: Decoder, buckets: Sequence[int] | None) -> tuple[int, ...]:

@@ -14,13 +14,18 @@ Idempotent: if `--out` already holds intact artifacts for the same inputs, nothi
 `--only-buckets` builds a part: the graphs of some of `--buckets`, for the same engine. Parts
 written as subdirectories of one directory (`--out DIR/part-1`, `--out DIR/part-2` ...), by
 separate processes or machines with the same GPU, load together: `artifacts=DIR`.
+`--jobs N` does that itself: N processes at once, each building a share of the buckets into
+`OUT/part-...` (each loads its own copy of the model and KV cache: N times the memory).
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +36,7 @@ from ..models.loading import load_draft, load_target
 from ..runtime import aot
 from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig
 from ..runtime.decoder import Decoder
+from ..runtime.graphs import artifacts
 from ..runtime.tree import TreeShape
 
 
@@ -66,6 +72,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--only-buckets", type=int, nargs="+", default=None, metavar="B",
         help="build only these of --buckets (one part of a build; see above)",
     )  # fmt: skip
+    parser.add_argument(
+        "--jobs", type=int, default=1,
+        help="build in this many processes at once, one part each (N x the memory)",
+    )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.set_defaults(func=run)
 
@@ -85,6 +95,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, not {args.jobs}")
+    if args.jobs > 1 and args.only_buckets is not None:
+        raise ValueError("--jobs builds the parts itself: leave out --only-buckets")
     config = engine_config(args)
     model_dir = args.model or default_model_dir()
     started = time.perf_counter()
@@ -98,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
     ):
         print(f"{args.out} is up to date for these inputs (--force rebuilds)")
         return 0
+    if args.jobs > 1 and args.only_buckets is None:
+        parts = aot.split_buckets(config.buckets, args.jobs)
+        decoder.close()
+        del decoder, target, head  # the jobs load their own copies
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return _build_in_parts(args, parts)
     loaded = time.perf_counter()
     manifest = aot.build(
         decoder,
@@ -121,3 +142,58 @@ def run(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return 0
+
+
+def _build_in_parts(args: argparse.Namespace, parts: list[tuple[int, ...]]) -> int:
+    """Run one `specrun compile --only-buckets` process per part at once, into a staging
+    directory that replaces `--out` once every part is built."""
+    started = time.perf_counter()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
+    jobs = []
+    try:
+        for part in parts:
+            name = "part-" + "-".join(map(str, part))
+            log = open(staging / f"{name}.log", "w+")  # noqa: SIM115
+            command = [*_job_command(args), "--only-buckets", *map(str, part)]
+            command += ["--out", str(staging / name)]
+            jobs.append((part, log, subprocess.Popen(command, stdout=log, stderr=log)))
+        print(f"building buckets {[list(p) for p in parts]} in {len(parts)} processes")
+        failed = [(part, log) for part, log, job in jobs if job.wait() != 0]
+        for part, log in failed:
+            log.seek(0)
+            tail = "".join(log.readlines()[-15:])
+            print(f"the job for buckets {list(part)} failed:\n{tail}", file=sys.stderr)
+        if failed:
+            return 1
+        for _, log, _ in jobs:
+            log.close()
+            Path(log.name).unlink()
+        artifacts.replace_dir(staging, args.out)
+    finally:
+        for _, log, job in jobs:
+            if job.poll() is None:
+                job.kill()
+            log.close()
+        shutil.rmtree(staging, ignore_errors=True)
+    print(
+        f"wrote {args.out}: {len(parts)} parts, buckets {sorted(b for p in parts for b in p)}, "
+        f"in {time.perf_counter() - started:.1f} s"
+    )
+    return 0
+
+
+def _job_command(args: argparse.Namespace) -> list[str]:
+    """`specrun compile` with this invocation's model and engine options (no --out, --jobs)."""
+    command = [sys.executable, "-m", "specrun.tools.cli", "compile", "--force"]
+    if args.model:
+        command += ["--model", str(args.model)]
+    if args.draft:
+        command += ["--draft", str(args.draft)]
+    command += ["--buckets", *map(str, args.buckets), "--max-seq-len", str(args.max_seq_len)]
+    command += ["--device", args.device, "--dtype", args.dtype]
+    if args.tree:
+        command += ["--tree", *map(str, args.tree)]
+    flags = {"--no-cuda-graphs": args.no_cuda_graphs, "--skip-filtered": args.skip_filtered}
+    flags["--no-precompile"] = args.no_precompile
+    return command + [flag for flag, on in flags.items() if on]

@@ -416,7 +416,7 @@ def save(recording: Recording, out: str | Path, manifest: Manifest) -> Manifest:
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json())
-        _replace_dir(staging, out)
+        replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -424,7 +424,7 @@ def save(recording: Recording, out: str | Path, manifest: Manifest) -> Manifest:
     return manifest
 
 
-def _replace_dir(new: Path, out: Path) -> None:
+def replace_dir(new: Path, out: Path) -> None:
     """Move the complete `new` into place at `out`, removing the old directory after."""
     old = None
     if out.exists():

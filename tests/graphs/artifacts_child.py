@@ -75,11 +75,11 @@ def main() -> None:
         variants = [greedy, sampled]
         if args.filtered:
             variants.append(dataclasses.replace(sampled, temperature=1.0, top_k=5, seed=4))
-        outputs += [_decode(decoder, _prompts(bucket), params) for params in variants]
+        outputs += [decode(decoder, prompts(bucket), params) for params in variants]
     eager_outputs = []
     if args.mode == "build":
         eager = Decoder(decoder.target, decoder.head, dataclasses.replace(config, compile=False))
-        eager_outputs = [_decode(eager, _prompts(b), greedy) for b in config.buckets]
+        eager_outputs = [decode(eager, prompts(b), greedy) for b in config.buckets]
     steps = {
         name: {"compiles": step.num_compiles, "precompiled_calls": step.num_precompiled_calls}
         for name, step in decoder.compiled_steps().items()
@@ -98,11 +98,11 @@ def main() -> None:
     )
 
 
-def _prompts(bucket: int) -> list[list[int]]:
+def prompts(bucket: int) -> list[list[int]]:
     return [list(PROMPTS[i % len(PROMPTS)]) for i in range(bucket)]
 
 
-def _decode(decoder: Decoder, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def decode(decoder: Decoder, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     tokens: list[list[int]] = [[] for _ in prompts]
     for step in decoder.stream(prompts, params):
         for slot, (new, _reason) in enumerate(step):

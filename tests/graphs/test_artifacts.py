@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from graphs.artifacts_child import decode, prompts
 
 from specrun.models.loading import load_target, save_target
 from specrun.runtime import aot
-from specrun.runtime.config import EngineConfig
+from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.engine import Engine
 from specrun.runtime.graphs import artifacts
@@ -262,23 +263,40 @@ def test_gpu_engine_starts_from_artifacts_in_a_fresh_process(smollm_dir, tmp_pat
     assert jit_compiles(loaded) == {} and precompiled_calls(loaded) > 0
 
 
-def test_parts_built_in_separate_processes_load_together(tmp_path):
-    """Buckets 1 and 2 built by two processes into subdirectories of one directory: a third
-    process loads the directory, traces nothing and decodes like the builds; one part alone
-    is refused with the command that builds the rest."""
+def test_compile_jobs_build_parts_that_load_together(tmp_path, capsys):
+    """`specrun compile --jobs 2`: buckets 1 and 2 built by two processes as parts of one
+    directory; a fresh process loads it, traces nothing and decodes greedily like an eager
+    decoder; building again is skipped; one part alone is refused with the command that
+    builds the rest."""
     save_target(random_llama(tiny_config(num_layers=1)), tmp_path / "model")
-    cache, parts = tmp_path / "inductor-cache", tmp_path / "parts"
-    builds = []
-    for bucket in (1, 2):
-        part = ["--only-buckets", str(bucket), "--out", str(parts / f"part-{bucket}")]
-        builds.append(run_child("build", tmp_path, "--buckets", "1", "2", *part, cache=cache))
-        assert artifacts.read_manifest(parts / f"part-{bucket}", rebuild="").built == (bucket,)
-    loaded = run_child("load", tmp_path, "--buckets", "1", "2", "--out", str(parts), cache=cache)
-    assert loaded["outputs"] == builds[0]["outputs"] == builds[1]["outputs"]
+    out = tmp_path / "artifacts"
+    args = ["compile", "--model", str(tmp_path / "model"), "--out", str(out), "--jobs", "2"]
+    args += ["--device", "cpu", "--dtype", "float32", "--buckets", "1", "2"]
+    args += ["--tree", "2", "2", "4", "--max-seq-len", "64", "--skip-filtered"]
+    assert cli.main(args) == 0
+    parts = aot.artifact_parts(out)
+    assert [artifacts.read_manifest(part, rebuild="").built for part in parts] == [(1,), (2,)]
+    capsys.readouterr()
+    assert cli.main(args) == 0 and "is up to date" in capsys.readouterr().out
+
+    cache = tmp_path / "inductor-cache"
+    loaded = run_child("load", tmp_path, "--buckets", "1", "2", cache=cache)
     assert jit_compiles(loaded) == {} and precompiled_calls(loaded) > 0, loaded["steps"]
     assert loaded["counters"]["dynamo_graphs"] == 0
+    eager = _decoder(tmp_path, dataclasses.replace(CONFIG, buckets=(1, 2), compile=False))
+    greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    expected = [decode(eager, prompts(b), greedy) for b in (1, 2)]
+    assert loaded["outputs"][::2] == expected  # greedy, then sampled, per bucket
+
     decoder = _decoder(tmp_path, dataclasses.replace(CONFIG, buckets=(1, 2)))
     with pytest.raises(ValueError, match=r"hold buckets \[1\] but this engine also needs \[2\]"):
-        aot.load_into(decoder, parts / "part-1", rebuild="x")
+        aot.load_into(decoder, parts[0], rebuild="x")
     with pytest.raises(ValueError, match="buckets to build must be some of"):
         aot.build(decoder, tmp_path / "never", buckets=(4,))
+
+
+def test_split_buckets_deals_the_largest_first():
+    assert aot.split_buckets((1, 2, 4, 8, 16, 32, 64), 3) == [(1, 8, 64), (4, 32), (2, 16)]
+    assert aot.split_buckets((1, 2), 4) == [(2,), (1,)]
+    with pytest.raises(ValueError, match="at least 1"):
+        aot.split_buckets((1,), 0)
