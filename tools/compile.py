@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         print(f"{args.out} is up to date for these inputs (--force rebuilds)")
         return 0
-    if args.jobs > 1 and args.only_buckets is None:
+    if args.jobs > 1:
         parts = aot.split_buckets(config.buckets, args.jobs)
         decoder.close()
         del decoder, target, head  # the jobs load their own copies
