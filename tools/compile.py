@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..models.default import default_model_dir
 from ..models.loading import load_draft, load_target
@@ -159,7 +160,8 @@ def _build_in_parts(args: argparse.Namespace, parts: list[tuple[int, ...]]) -> i
             command += ["--out", str(staging / name)]
             jobs.append((part, log, subprocess.Popen(command, stdout=log, stderr=log)))
         print(f"building buckets {[list(p) for p in parts]} in {len(parts)} processes")
-        failed = [(part, log) for part, log, job in jobs if job.wait() != 0]
+        _wait_with_progress([job for _, _, job in jobs])
+        failed = [(part, log) for part, log, job in jobs if job.returncode != 0]
         for part, log in failed:
             log.seek(0)
             tail = "".join(log.readlines()[-15:])
@@ -181,6 +183,14 @@ def _build_in_parts(args: argparse.Namespace, parts: list[tuple[int, ...]]) -> i
         f"in {time.perf_counter() - started:.1f} s"
     )
     return 0
+
+
+def _wait_with_progress(jobs: list[subprocess.Popen]) -> None:
+    """Wait for every job, with a progress bar of the parts done."""
+    with tqdm(total=len(jobs), desc="parts", unit="part") as bar:
+        while bar.n < len(jobs):
+            time.sleep(1.0)
+            bar.update(sum(job.poll() is not None for job in jobs) - bar.n)
 
 
 def _job_command(args: argparse.Namespace) -> list[str]:
