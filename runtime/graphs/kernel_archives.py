@@ -28,8 +28,9 @@ _INDUCTOR_KERNEL_PREFIXES = ("triton_", f"{_GROUP_PREFIX}triton_")
 
 @contextlib.contextmanager
 def private_triton_cache(path: Path) -> Iterator[Path]:
-    """Point Triton's own cache (where its JIT puts kernels compiled outside Inductor and
-    their launchers) at `path` inside the block."""
+    """Point Triton's own cache at `path` inside the block: every kernel Triton compiles
+    there lands in it (its JIT's kernels and launchers, and Inductor's kernels too, which
+    `triton_cache_files` leaves out)."""
     try:
         from triton import knobs
     except ImportError:  # no Triton (CPU-only installs): nothing is JIT-compiled
