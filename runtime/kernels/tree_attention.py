@@ -77,7 +77,8 @@ def _prefix_step(
 
 # Arguments that vary with a prefill's prompt length: left unspecialised (Triton would
 # otherwise compile a variant per "== 1" / "% 16 == 0" case), so the kernel compiled for one
-# length, at warm-up or in ahead-of-time artifacts, serves every length.
+# length, at warm-up or in ahead-of-time artifacts, serves every length that gets the same
+# launch config.
 _LENGTH_ARGS = ("sa_b", "sa_m", "num_queries", "num_tree")
 
 
