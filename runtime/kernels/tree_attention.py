@@ -278,6 +278,7 @@ def _tree_attention_op(
     anc: torch.Tensor,
     *,
     scale: float,
+    fixed_config: bool = False,
 ) -> torch.Tensor:
     # Also the fake impl and the decomposition torch.compile inlines: non-CUDA tensors
     # (CPU, meta) take the reference so the op traces and compiles everywhere.
@@ -292,6 +293,7 @@ def _tree_attention_op(
         cache_size=k_cache.shape[2],
         head_dim=head_dim,
         num_sms=num_multiprocessors(q.device),
+        fixed=fixed_config,
     )
     return launch_tree_attention(
         q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale, config=config
@@ -308,6 +310,7 @@ def tree_attention(
     anc: torch.Tensor,
     *,
     scale: float,
+    fixed_config: bool = False,
 ) -> torch.Tensor:
     """Attention of M tree queries over [committed cache | N tree keys] (`rt::tree_attention`).
 
@@ -319,11 +322,15 @@ def tree_attention(
         k_tree, v_tree: [B, Hkv, N, D] tree keys/values.
         anc: [B, M, W] int64 bitmask: bit j of word j // 64 set iff query i sees tree key j.
         scale: softmax scale, usually D ** -0.5.
+        fixed_config: one launch config whatever the shapes (see `launch_config`), for calls
+            from graphs traced with dynamic shapes: the kernel variant compiled for one
+            prompt length then serves every length, where the shape-tuned config would pick
+            new tiles (and compile a new variant) for some lengths at run time.
     Returns:
         [B, Hq, M, D] in q's dtype; a query that sees no key at all gets zeros.
     """
     return torch.ops.rt.tree_attention(
-        q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale
+        q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale, fixed_config=fixed_config
     )
 
 
@@ -391,4 +398,18 @@ def tree_attention_ref(
     return out.reshape(batch, num_q_heads, num_queries, head_dim).to(q.dtype)
 
 
-_tree_attention_op.register_kernel("cpu")(tree_attention_ref)
+@_tree_attention_op.register_kernel("cpu")
+def _tree_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    anc: torch.Tensor,
+    *,
+    scale: float,
+    fixed_config: bool = False,
+) -> torch.Tensor:
+    # The CPU has one implementation and no launch config to fix.
+    return tree_attention_ref(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)

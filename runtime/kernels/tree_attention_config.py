@@ -106,6 +106,7 @@ def launch_config(
     cache_size: int | torch.SymInt,
     head_dim: int,
     num_sms: int,
+    fixed: bool = False,
 ) -> LaunchConfig:
     """The launch config for one call.
 
@@ -116,10 +117,10 @@ def launch_config(
         head_dim: D.
         num_sms: multiprocessors of the device.
 
-    If batch, num_rows or cache_size is symbolic (traced with dynamic shapes), the config
-    reads none of them: many-row tiles and one split over the whole prefix.
+    If batch, num_rows or cache_size is symbolic (traced with dynamic shapes), or `fixed`,
+    the config reads none of them: many-row tiles and one split over the whole prefix.
     """
-    if not all(is_concrete_int(size) for size in (batch, num_rows, cache_size)):
+    if fixed or not all(is_concrete_int(size) for size in (batch, num_rows, cache_size)):
         return _dynamic_launch_config(head_dim)
     block_r, block_n, num_warps = _tile_shape(num_rows, head_dim)
     num_programs = batch * num_kv_heads * triton.cdiv(num_rows, block_r)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..kernels import tree_attention as tree_attention_kernel
 from ..kernels.tree_attention_config import check_inputs
@@ -84,18 +85,21 @@ class TreeAttention:
 
 class TreeAttentionFusion(GraphPass):
     """Replace every reference tree attention by `rt::tree_attention`; returns the number
-    fused. `num_fused_by_form` counts them by the SDPA lowering they replaced."""
+    fused. `num_fused_by_form` counts them by the SDPA lowering they replaced,
+    `num_fixed_config` those in graphs with dynamic shapes (given one launch config)."""
 
     name = "tree_attention"
-    version = 1
+    version = 2
 
     def __init__(self) -> None:
         self.num_fused_by_form: Counter[str] = Counter()
+        self.num_fixed_config = 0
 
     def __call__(self, graph: fx.Graph) -> int:
         matches = [m for node in graph.nodes if (m := match_tree_attention(node)) is not None]
-        fused = [match.form for match in matches if _fuse(graph, match)]
-        self.num_fused_by_form.update(fused)
+        fused = [match for match in matches if _fuse(graph, match)]
+        self.num_fused_by_form.update(match.form for match in fused)
+        self.num_fixed_config += sum(_has_symbolic_shapes(match) for match in fused)
         if len(fused) < len(matches):
             logger.info("%d tree attentions left unfused", len(matches) - len(fused))
         return len(fused)
@@ -269,18 +273,24 @@ def _fuse(graph: fx.Graph, match: TreeAttention) -> bool:
     values = [tensor_val(arg) for arg in match.args]
     if not _op_takes(values, match.scale):
         return False
+    kwargs = {"scale": match.scale, "fixed_config": _has_symbolic_shapes(match)}
     with graph.inserting_before(match.output):
-        fused = graph.call_function(
-            torch.ops.rt.tree_attention.default, match.args, {"scale": match.scale}
-        )
+        fused = graph.call_function(torch.ops.rt.tree_attention.default, match.args, kwargs)
     with detect_fake_mode(values) or contextlib.nullcontext():
-        fused.meta["val"] = tree_attention_kernel.tree_attention(*values, scale=match.scale)
+        fused.meta["val"] = tree_attention_kernel.tree_attention(*values, **kwargs)
     for key in ("stack_trace", "nn_module_stack"):
         if key in match.output.meta:
             fused.meta[key] = match.output.meta[key]
     match.output.replace_all_uses_with(fused)
     _erase_fused_attention(graph, match.output)
     return True
+
+
+def _has_symbolic_shapes(match: TreeAttention) -> bool:
+    """Whether the graph was traced with dynamic shapes here (a prefill): the op then runs
+    with one launch config, so that its kernel, compiled once, serves every length."""
+    values = [tensor_val(arg) for arg in match.args]
+    return not all(is_concrete_int(size) for value in values for size in value.shape)
 
 
 def _erase_fused_attention(graph: fx.Graph, output: fx.Node) -> None:

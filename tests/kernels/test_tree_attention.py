@@ -180,6 +180,11 @@ def test_symbolic_shapes_get_one_config_without_guards():
         batch=3, num_kv_heads=8, num_rows=4 * 5, cache_size=1, head_dim=128, num_sms=132
     )
     assert concrete != config  # the static table still sees few rows
+    fixed = launch_config(
+        batch=3, num_kv_heads=8, num_rows=4 * 5, cache_size=1, head_dim=128, num_sms=132,
+        fixed=True,
+    )  # fmt: skip
+    assert fixed == config  # what the op runs with when the pass fused it in a dynamic graph
 
 
 def test_opcheck():
@@ -253,13 +258,14 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("fixed_config", [False, True], ids=["tuned", "fixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", GPU_CASES)
-def test_gpu_kernel_matches_reference(case, dtype):
+def test_gpu_kernel_matches_reference(case, dtype, fixed_config):
     gen = torch.Generator().manual_seed(case.cache_size)
     lens = [case.cache_size, 0, case.cache_size // 3, 1][: case.batch]
     inputs = make_inputs(case, dtype=dtype, device="cuda", cache_len=lens, generator=gen)
-    out = tree_attention(**inputs)
+    out = tree_attention(**inputs, fixed_config=fixed_config)
     assert out.dtype == dtype and out.shape == inputs["q"].shape
     assert relative_error(out, _model_ref(inputs)) < 1e-2
 

@@ -136,6 +136,8 @@ def test_fuses_a_dynamic_length_chain_prefill_without_recompiling():
         _assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert step.num_compiles == 1
     assert step.manager.stats["tree_attention"] == target.config.num_layers
+    # Dynamic shapes: one launch config, so one kernel variant serves every length.
+    assert step.manager.passes[0].num_fixed_config == target.config.num_layers
 
 
 @pytest.mark.parametrize(("kind", "num_side"), [("eagle1", 0), ("eagle3", 2)])
