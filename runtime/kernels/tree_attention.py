@@ -400,16 +400,7 @@ def tree_attention_ref(
 
 @_tree_attention_op.register_kernel("cpu")
 def _tree_attention_cpu(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_len: torch.Tensor,
-    k_tree: torch.Tensor,
-    v_tree: torch.Tensor,
-    anc: torch.Tensor,
-    *,
-    scale: float,
-    fixed_config: bool = False,
+    *inputs: torch.Tensor, scale: float, fixed_config: bool = False
 ) -> torch.Tensor:
-    # The CPU has one implementation and no launch config to fix.
-    return tree_attention_ref(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
+    """The op on the CPU: the reference (one implementation, no launch config to fix)."""
+    return tree_attention_ref(*inputs, scale=scale)
