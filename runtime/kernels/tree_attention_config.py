@@ -121,7 +121,7 @@ def launch_config(
     the config reads none of them: many-row tiles and one split over the whole prefix.
     """
     if fixed or not all(is_concrete_int(size) for size in (batch, num_rows, cache_size)):
-        return _dynamic_launch_config(head_dim)
+        return _fixed_launch_config(head_dim)
     block_r, block_n, num_warps = _tile_shape(num_rows, head_dim)
     num_programs = batch * num_kv_heads * triton.cdiv(num_rows, block_r)
     num_splits, split_len = split_layout(
@@ -139,7 +139,7 @@ def launch_config(
     )
 
 
-def _dynamic_launch_config(head_dim: int) -> LaunchConfig:
+def _fixed_launch_config(head_dim: int) -> LaunchConfig:
     block_r, block_n, num_warps = _tile_shape(_DYNAMIC_NUM_ROWS, head_dim)
     return LaunchConfig(
         block_r=block_r,

@@ -97,9 +97,10 @@ class TreeAttentionFusion(GraphPass):
 
     def __call__(self, graph: fx.Graph) -> int:
         matches = [m for node in graph.nodes if (m := match_tree_attention(node)) is not None]
-        fused = [match for match in matches if _fuse(graph, match)]
-        self.num_fused_by_form.update(match.form for match in fused)
-        self.num_fixed_config += sum(_has_symbolic_shapes(match) for match in fused)
+        fixed = [_has_symbolic_shapes(match) for match in matches]
+        fused = [(m, f) for m, f in zip(matches, fixed, strict=True) if _fuse(graph, m, f)]
+        self.num_fused_by_form.update(match.form for match, _ in fused)
+        self.num_fixed_config += sum(f for _, f in fused)
         if len(fused) < len(matches):
             logger.info("%d tree attentions left unfused", len(matches) - len(fused))
         return len(fused)
@@ -268,12 +269,12 @@ def _match_cache_then_tree(node: fx.Node, mask: TreeMask) -> tuple[fx.Node, fx.N
     return cache, tree
 
 
-def _fuse(graph: fx.Graph, match: TreeAttention) -> bool:
+def _fuse(graph: fx.Graph, match: TreeAttention, fixed_config: bool) -> bool:
     """Swap the match's output for one `rt::tree_attention` call, if the op takes the inputs."""
     values = [tensor_val(arg) for arg in match.args]
     if not _op_takes(values, match.scale):
         return False
-    kwargs = {"scale": match.scale, "fixed_config": _has_symbolic_shapes(match)}
+    kwargs = {"scale": match.scale, "fixed_config": fixed_config}
     with graph.inserting_before(match.output):
         fused = graph.call_function(torch.ops.rt.tree_attention.default, match.args, kwargs)
     with detect_fake_mode(values) or contextlib.nullcontext():
