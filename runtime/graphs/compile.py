@@ -31,6 +31,11 @@ process; `add_precompiled` hands such loaded functions back to a step, which the
 first whose guards pass for a call's arguments and falls back to compiling only when none do.
 Inside `precompiling(sink)` that fallback is itself an `aot_compile`, handed to the sink: an
 artifact build runs the warm-up so and records every graph (rounds and dynamic prefills).
+A precompiled function keeps no guards on the modules it was traced with
+(`precompile_guard_filter`): the modules are fixed for the step's lifetime and the artifact's
+manifest pins their configs, dtype and device, while a Llama-3.1-8B round carried thousands
+of such guards, rebuilt at every load. Guards on the other arguments (state tensors, trees,
+sampling flags) are kept: they choose among a step's precompiled functions.
 
 Nothing here knows a model: the helpers only choose a name and whether shapes are dynamic.
 """
@@ -44,6 +49,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch._dynamo.guards import CheckFunctionManager
+from torch._dynamo.types import GuardFilterEntry
 from torch._dynamo.utils import counters
 
 from ..passes import PassManager
@@ -61,6 +68,25 @@ def call_module(module: torch.nn.Module, *args: Any) -> Any:
     """What a step made from a module traces: Dynamo's precompile (`aot_compile`) takes
     functions, and a module passed as an argument is guarded like any other input."""
     return module(*args)
+
+
+def precompile_guard_filter(entries: Sequence[GuardFilterEntry]) -> list[bool]:
+    """Which guards a precompiled function keeps: Dynamo's default for precompile (no guards
+    on globals, none of the kinds it cannot serialise) less every guard on a module argument,
+    its submodules, parameters and buffers, but for their key-order guards: a serialised
+    guard on a module dict's keys needs the modules on its path, or the function fails to
+    load."""
+    return [_kept_in_precompile(entry) for entry in entries]
+
+
+def _kept_in_precompile(entry: GuardFilterEntry) -> bool:
+    if (
+        entry.is_global
+        or entry.guard_type in CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    ):
+        return False
+    on_module = entry.orig_guard.source.is_unspecialized_nn_module()
+    return not on_module or entry.guard_type == "DICT_KEYS_MATCH"
 
 
 def _code_of(fn: Callable[..., Any]) -> Any:
@@ -101,20 +127,20 @@ class CompiledStep:
         self._options = {**_INDUCTOR_OPTIONS, **options}
         self._compiled = self._torch_compile()
 
-    def _torch_compile(self) -> Callable[..., Any]:
+    def _torch_compile(self, **options: Any) -> Callable[..., Any]:
         return torch.compile(
             self._fn,
             fullgraph=True,
             dynamic=self._dynamic,
             backend="inductor",
-            options=self._options,
+            options={**self._options, **options},
         )
 
     def aot_compile(self, *args: Any, **kwargs: Any) -> Any:
         """Compile ahead of time for these arguments (Dynamo precompile, experimental in torch
         2.10+); returns a function with `save_compiled_function(path)` and `guard_check`."""
         with torch._dynamo.config.patch(enable_aot_compile=True):
-            compiled = self._torch_compile()
+            compiled = self._torch_compile(guard_filter_fn=precompile_guard_filter)
             with self._compiling():
                 return compiled.aot_compile(((*self._bound, *args), kwargs))
 

@@ -30,14 +30,19 @@ _INDUCTOR_KERNEL_PREFIXES = ("triton_", f"{_GROUP_PREFIX}triton_")
 def private_triton_cache(path: Path) -> Iterator[Path]:
     """Point Triton's own cache at `path` inside the block: every kernel Triton compiles
     there lands in it (its JIT's kernels and launchers, and Inductor's kernels too, which
-    `triton_cache_files` leaves out)."""
+    `triton_cache_files` leaves out). Kernels compiled inside keep only their binary and
+    metadata, not their IRs (`TRITON_STORE_BINARY_ONLY`, also seen by compile workers started
+    inside): a loading process writes every file of every kernel Inductor bundled back to
+    disk, and these are the files it needs."""
     try:
         from triton import knobs
     except ImportError:  # no Triton (CPU-only installs): nothing is JIT-compiled
         yield path
         return
-    with knobs.cache.scope():
+    with knobs.cache.scope(), knobs.compilation.scope():
         knobs.cache.dir = str(path)
+        os.environ["TRITON_STORE_BINARY_ONLY"] = "1"  # restored by the scope
+        knobs.compilation.store_binary_only = True
         yield path
 
 
