@@ -55,6 +55,7 @@ import torch
 
 from .kernel_archives import (
     cpu_kernel_files,
+    find_autotune_results_in_this_cache,
     inductor_cache_dir,
     pack,
     private_triton_cache,
@@ -300,6 +301,7 @@ def load_artifacts(path: str | Path, current: Manifest, *, rebuild: str) -> Load
     verify(manifest, current, path=path, rebuild=rebuild)
     check_files(path, manifest, rebuild=rebuild)
     _check_caches_enabled()
+    find_autotune_results_in_this_cache()
     info = torch.compiler.load_cache_artifacts((Path(path) / CACHE_FILE).read_bytes())
     cached = time.perf_counter()
     num_kernels = restore(Path(path) / CPU_KERNELS_FILE, inductor_cache_dir())

@@ -9,6 +9,10 @@ restored from artifact archives (runtime/graphs/artifacts.py):
 
 Restoring keeps files already present and writes each new file atomically, so processes
 sharing a cache directory may restore concurrently.
+
+`find_autotune_results_in_this_cache` points the statically launched kernels Inductor loads
+from its caches at this process's autotuning results (torch 2.11-2.13 keep the building
+process's paths in them).
 """
 
 from __future__ import annotations
@@ -44,6 +48,36 @@ def private_triton_cache(path: Path) -> Iterator[Path]:
         os.environ["TRITON_STORE_BINARY_ONLY"] = "1"  # restored by the scope
         knobs.compilation.store_binary_only = True
         yield path
+
+
+def find_autotune_results_in_this_cache() -> None:
+    """Make the statically launched Triton kernels that Inductor loads from its caches look up
+    their autotuning results in this process's Inductor cache directory (idempotent).
+
+    A kernel with several configs picks one by benchmarking them at its first run and stores
+    the winner as `<dir of the kernel's source>/<key>.best_config`. The portable caches carry
+    those results, restored as `<this process's cache dir>/<2 chars>/<key>.best_config`, but a
+    pickled kernel keeps the source path of the process that compiled it, so every kernel
+    missed its result and was benchmarked again: about 50 s at the first start of Llama-3.1-8B
+    shapes at buckets 1-64 (H200), and only the first start on a machine, as the results
+    then lie at the build's path. Loading kernels therefore rebases that path onto this
+    process's cache directory, keeping the last two parts as the portable caches do."""
+    from torch._inductor.triton_bundler import TritonBundler
+
+    load_autotuners = TritonBundler.load_autotuners
+    if getattr(load_autotuners, "rebased_onto", None) is not None:
+        return
+    original = load_autotuners.__func__
+
+    def rebased_load_autotuners(cls: type, static_autotuners: list[Any] | None) -> list[str]:
+        here = inductor_cache_dir()
+        for autotuner in static_autotuners or ():
+            if (filename := getattr(autotuner.kernel, "filename", None)) is not None:
+                autotuner.kernel.filename = str(here.joinpath(*Path(filename).parts[-2:]))
+        return original(cls, static_autotuners)
+
+    rebased_load_autotuners.rebased_onto = original  # type: ignore[attr-defined]
+    TritonBundler.load_autotuners = classmethod(rebased_load_autotuners)  # type: ignore[method-assign]
 
 
 def inductor_cache_dir() -> Path:

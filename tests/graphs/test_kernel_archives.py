@@ -1,12 +1,14 @@
 """Kernel archives (runtime/graphs/kernel_archives.py): Triton cache entries written by a
 build's JIT are found by Triton's own cache manager in another cache directory once
-restored, and restoring never overwrites what a cache already holds."""
+restored, and restoring never overwrites what a cache already holds; statically launched
+kernels loaded from Inductor's caches look up autotuning results in this process's cache."""
 
 from __future__ import annotations
 
 import json
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -67,3 +69,26 @@ def test_restore_keeps_existing_files_and_refuses_paths_outside(tmp_path):
     assert (root / "ab" / "new.so").read_bytes() == b"new"
     assert not (tmp_path / "escape.so").exists()
     assert kernel_archives.restore(tmp_path / "missing.zip", root) == 0
+
+
+def test_loaded_static_kernels_find_autotune_results_in_this_cache():
+    """A kernel pickled by a build keeps the build's source path; loading rebases it onto this
+    process's Inductor cache (where the portable caches restore `<2 chars>/<key>.best_config`)
+    and hands it on to Inductor's loader, once however often the rebase is installed."""
+    from torch._inductor.async_compile import CompiledTritonKernels
+    from torch._inductor.triton_bundler import TritonBundler
+
+    kernel_archives.find_autotune_results_in_this_cache()
+    installed = TritonBundler.load_autotuners
+    kernel_archives.find_autotune_results_in_this_cache()
+    assert TritonBundler.load_autotuners == installed
+
+    built = SimpleNamespace(filename="/tmp/specrun-build-x1/ab/abc123.py", compile_results=[])
+    autotuner = SimpleNamespace(kernel=built, cache_key="specrun-test-kernel", kernel_name="k")
+    try:
+        assert TritonBundler.load_autotuners([autotuner]) == ["k"]
+        assert "specrun-test-kernel" in CompiledTritonKernels._cache
+    finally:
+        CompiledTritonKernels._cache.pop("specrun-test-kernel", None)
+    here = kernel_archives.inductor_cache_dir()
+    assert built.filename == str(here / "ab" / "abc123.py")
