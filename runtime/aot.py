@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DEFAULT_TREES, EngineConfig
+from .config import EngineConfig, default_trees
 from .decoder import Decoder
 from .graphs import artifacts
 from .graphs.artifacts import LoadedArtifacts, Manifest
@@ -77,7 +77,7 @@ def compile_command(
     if config.cuda_graphs is False:
         args.append("--no-cuda-graphs")
     trees, note = dict(config.trees), ""
-    if trees != dict(DEFAULT_TREES):
+    if trees != dict(default_trees(draft)):
         shape = next(iter(trees.values()))
         if len(trees) == 1 and isinstance(shape, TreeShape):
             args += ["--tree", str(shape.depth), str(shape.topk), str(shape.num_nodes)]

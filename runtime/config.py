@@ -7,9 +7,11 @@ bad request is refused at the boundary before it touches any shared state.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 
 import torch
@@ -33,6 +35,29 @@ DEFAULT_TREES: Mapping[int, TreeShape | StaticTree | None] = MappingProxyType(
         64: TreeShape(depth=2, topk=2, num_nodes=4),
     }
 )
+
+# A draft-head directory may carry the tree shapes measured best for it (see default_trees).
+HEAD_TREES_FILE = "trees.json"
+
+
+def default_trees(draft: str | Path | None = None) -> Mapping[int, TreeShape | StaticTree | None]:
+    """The tree table an engine uses unless told otherwise: DEFAULT_TREES, with the draft
+    head's own table over it when its directory has `trees.json`,
+    `{"trees": {"BUCKET": [DEPTH, TOPK, NUM_NODES], ...}}` (the shapes measured best for that
+    head and its target; a small target makes every draft step count, so its best trees are
+    smaller than the table tuned for Llama-3.1-8B shapes)."""
+    path = Path(draft) / HEAD_TREES_FILE if draft is not None else None
+    if path is None or not path.is_file():
+        return DEFAULT_TREES
+    try:
+        table = json.loads(path.read_text())["trees"]
+        trees = {int(bucket): TreeShape(*shape) for bucket, shape in table.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f'{path}: expected {{"trees": {{"BUCKET": [DEPTH, TOPK, NUM_NODES], ...}}}} '
+            f"({type(e).__name__}: {e}); fix the file or remove it to use the default trees"
+        ) from e
+    return MappingProxyType(dict(sorted({**DEFAULT_TREES, **trees}.items())))
 
 
 @dataclass(frozen=True)

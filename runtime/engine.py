@@ -24,7 +24,7 @@ from ..models.llama import Llama
 from ..models.loading import load_draft, load_target
 from ..models.tokenizer import Tokenizer
 from . import aot
-from .config import EngineConfig, SamplingParams, validate_prompt_ids
+from .config import EngineConfig, SamplingParams, default_trees, validate_prompt_ids
 from .decoder import BucketWarmup, Decoder, Step
 from .requests import check_requests
 from .stats import DecodeStats, RequestStats
@@ -100,11 +100,14 @@ class Engine:
         """Load an HF Llama directory (None: the embedded SmolLM2-135M-Instruct) and, when
         given, an EAGLE draft-head directory for speculative decoding.
 
+        config: None for the defaults, with the draft head's recommended trees where its
+        directory has them (`config.default_trees`).
+
         artifacts: a directory written by `specrun compile` for this model, head, config,
         torch and device (else ValueError: what differs, how to rebuild). Its compiled steps
         are loaded and every bucket is warmed up (and captured) from them before returning.
         """
-        config = config or EngineConfig()
+        config = config or EngineConfig(trees=default_trees(draft))
         if artifacts is not None:
             config = aot.artifact_config(config)
         command = dict(model_dir=model_dir, draft=draft, config=config, out=artifacts)

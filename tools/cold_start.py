@@ -182,13 +182,13 @@ def _point(spec: dict, phase_done: Callable[[str], None]) -> dict:
     import torch
 
     from ..runtime import aot
-    from ..runtime.config import DEFAULT_TREES, EngineConfig, SamplingParams
+    from ..runtime.config import EngineConfig, SamplingParams, default_trees
     from ..runtime.decoder import Decoder
     from ..runtime.graphs.artifacts import compile_counters
     from ..runtime.tree import TreeShape
 
     mark("import_s")
-    trees = {1: TreeShape(*spec["tree"])} if spec["tree"] else DEFAULT_TREES
+    trees = {1: TreeShape(*spec["tree"])} if spec["tree"] else default_trees(spec["draft"])
     config = EngineConfig(
         device=spec["device"], dtype=spec["dtype"], buckets=tuple(spec["buckets"]),
         trees=trees, max_seq_len=spec["max_seq_len"], compile=True,

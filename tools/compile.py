@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from ..models.default import default_model_dir
 from ..models.loading import load_draft, load_target
 from ..runtime import aot
-from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig
+from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees
 from ..runtime.decoder import Decoder
 from ..runtime.graphs import artifacts
 from ..runtime.tree import TreeShape
@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
     parser.add_argument(
         "--tree", type=int, nargs=3, default=None, metavar=("D", "K", "N"),
-        help="one draft tree for every bucket (default: the engine's per-bucket table)",
+        help="one draft tree for every bucket (default: the engine's per-bucket table, with the "
+        "head's trees.json over it)",
     )  # fmt: skip
     parser.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -83,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the artifacts are for (the engine must be built with the same)."""
-    trees = {1: TreeShape(*args.tree)} if args.tree else DEFAULT_TREES
+    trees = {1: TreeShape(*args.tree)} if args.tree else default_trees(args.draft)
     return EngineConfig(
         device=args.device,
         dtype=args.dtype,

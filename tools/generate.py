@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..models.default import default_head_dir
-from ..runtime.config import DEFAULT_TREE, DEFAULT_TREES, EngineConfig, SamplingParams
+from ..runtime.config import DEFAULT_TREE, EngineConfig, SamplingParams, default_trees
 from ..runtime.engine import Engine
-from ..runtime.tree import TreeShape
+from ..runtime.tree import StaticTree, TreeShape
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,10 +45,12 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
     )
+    draft = draft_dir(args)
+    trees = tree_table(args, draft=draft)
     config = EngineConfig(
-        device=args.device, dtype=args.dtype, chat_template=not args.raw, trees=tree_table(args)
+        device=args.device, dtype=args.dtype, chat_template=not args.raw, trees=trees
     )
-    engine = Engine.from_pretrained(args.model, draft=draft_dir(args), config=config)
+    engine = Engine.from_pretrained(args.model, draft=draft, config=config)
     for delta in engine.stream(args.prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -95,8 +97,11 @@ def tree_shape(args: argparse.Namespace) -> TreeShape:
     )
 
 
-def tree_table(args: argparse.Namespace) -> Mapping[int, TreeShape | None]:
-    """EngineConfig.trees: the default table, or the asked-for tree at every bucket."""
+def tree_table(
+    args: argparse.Namespace, *, draft: str | Path | None = None
+) -> Mapping[int, TreeShape | StaticTree | None]:
+    """EngineConfig.trees: the asked-for tree at every bucket, else the default table with the
+    draft head's recommended trees over it (`default_trees`)."""
     if args.depth is None and args.topk is None and args.nodes is None:
-        return DEFAULT_TREES
+        return default_trees(draft)
     return {1: tree_shape(args)}

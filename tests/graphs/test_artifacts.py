@@ -24,7 +24,7 @@ from graphs.artifacts_child import decode, prompts
 
 from specrun.models.loading import load_target, save_target
 from specrun.runtime import aot
-from specrun.runtime.config import EngineConfig, SamplingParams
+from specrun.runtime.config import EngineConfig, SamplingParams, default_trees
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.engine import Engine
 from specrun.runtime.graphs import artifacts
@@ -230,13 +230,20 @@ def test_engine_refuses_artifacts_with_compilation_off(tmp_path):
         Engine.from_pretrained(tmp_path, config=config, artifacts=tmp_path)
 
 
-def test_compile_command_renders_the_engine_config():
+def test_compile_command_renders_the_engine_config(tmp_path):
     config = EngineConfig(buckets=(1, 2), trees={1: TreeShape(2, 2, 4)}, max_seq_len=128)
     command = aot.compile_command(model_dir="m", draft="d", config=config, out="o")
     assert command == (
         "specrun compile --model m --draft d --buckets 1 2 --max-seq-len 128 --device auto "
         "--dtype auto --tree 2 2 4 --out o"
     )
+    # A head's own trees (trees.json) are what `specrun compile --draft` uses by default.
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "trees.json").write_text('{"trees": {"1": [2, 2, 4]}}')
+    config = EngineConfig(buckets=(1, 2), trees=default_trees(head), max_seq_len=128)
+    command = aot.compile_command(model_dir="m", draft=head, config=config, out="o")
+    assert "--tree" not in command and "with this EngineConfig" not in command
 
 
 @pytest.mark.gpu

@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrun.runtime.config import EngineConfig, SamplingParams
+from specrun.models.default import default_head_dir
+from specrun.runtime.config import (
+    DEFAULT_TREES,
+    HEAD_TREES_FILE,
+    EngineConfig,
+    SamplingParams,
+    default_trees,
+)
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.stats import DecodeStats
@@ -88,6 +95,31 @@ def test_requests_that_do_not_fit_are_refused_before_any_state_changes(target):
     with pytest.raises(ValueError, match="largest bucket"):
         list(decoder.stream([[1]] * 5, params))
     assert decode_tokens(decoder, PROMPTS[:1], params) == want
+
+
+def test_a_head_directory_carries_its_trees(tmp_path):
+    """trees.json in a head directory goes over the default table; a malformed one is refused
+    naming the file; the shipped head carries its tuned batch-1 tree."""
+    assert default_trees(None) is DEFAULT_TREES and default_trees(tmp_path) is DEFAULT_TREES
+    (tmp_path / HEAD_TREES_FILE).write_text('{"trees": {"1": [5, 8, 32], "16": [2, 2, 4]}}')
+    trees = default_trees(tmp_path)
+    assert trees[1] == TreeShape(5, 8, 32) and trees[16] == TreeShape(2, 2, 4)
+    assert {k: v for k, v in trees.items() if k not in (1, 16)} == {
+        k: v for k, v in DEFAULT_TREES.items() if k not in (1, 16)
+    }
+    assert EngineConfig(trees=trees).tree_for(1) == TreeShape(5, 8, 32)
+    bad = [
+        "[",
+        '{"tree": {}}',
+        '{"trees": [1]}',
+        '{"trees": {"1": [5, 8]}}',
+        '{"trees": {"a": [5, 8, 32]}}',
+    ]
+    for text in bad:
+        (tmp_path / HEAD_TREES_FILE).write_text(text)
+        with pytest.raises(ValueError, match=r"trees\.json"):
+            default_trees(tmp_path)
+    assert default_trees(default_head_dir())[1] == TreeShape(5, 8, 32)
 
 
 def test_engine_config_tree_table_and_bucket_choice():
