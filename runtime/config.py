@@ -57,7 +57,7 @@ def default_trees(draft: str | Path | None = None) -> Mapping[int, TreeShape | S
             f'{path}: expected {{"trees": {{"BUCKET": [DEPTH, TOPK, NUM_NODES], ...}}}} '
             f"({type(e).__name__}: {e}); fix the file or remove it to use the default trees"
         ) from e
-    return MappingProxyType(dict(sorted({**DEFAULT_TREES, **trees}.items())))
+    return MappingProxyType({**DEFAULT_TREES, **trees})  # EngineConfig sorts its table
 
 
 @dataclass(frozen=True)

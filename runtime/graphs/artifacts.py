@@ -17,7 +17,8 @@ An artifact directory holds:
 - `steps/*.bin`: Dynamo's ahead-of-time precompiled steps (`torch.compile(...).aot_compile`,
   experimental in torch 2.10-2.11), one per (bucket, sampling variant) of the static-shape
   round: loaded with `torch.compiler.load_compiled_function`, they also skip Dynamo tracing.
-  Each keeps its serialisable guards; a call is dispatched to the first whose guards pass.
+  Each keeps its serialisable guards but those on the model and head (compile.py,
+  `precompile_guard_filter`); a call is dispatched to the first whose guards pass.
 - `triton_kernels.zip` (GPU builds): Triton's cache entries for kernels compiled outside
   Inductor while building (custom ops' Triton kernels launched through Triton's JIT, such as
   `rt::tree_attention` placed by a post-grad pass, and their compiled launchers), which the
