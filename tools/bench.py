@@ -6,8 +6,9 @@ floor, on Llama-3.1-8B attention shapes; one JSON line per point and a summary t
 `specrun bench cold-start`: process start to first token in fresh processes, with and without
 ahead-of-time compile artifacts (tools/cold_start.py).
 
-`specrun bench decode`: plain and speculative rounds per batch bucket with Llama-3.1-8B shapes
-and an EAGLE-3-shaped head (random bf16 weights), against the memory floor.
+`specrun bench decode`: plain and speculative rounds per batch bucket with a known model's
+shapes (Llama-3.1-8B by default) and an EAGLE-3-shaped head (random bf16 weights), against the
+memory floor, with the kernels a round launches.
 
 `specrun bench hf`: Hugging Face transformers `generate` on a real model at batch 1, the
 comparison point for `specrun eval`'s speculative and plain numbers on the same prompts.
@@ -26,6 +27,7 @@ import torch
 from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig
 from ..runtime.tree import TreeShape
 from . import cold_start
+from .decode_bench import SHAPES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,12 +44,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kernels.add_argument("--json", default=None, help="write one JSON line per point here")
     kernels.set_defaults(func=run_kernels)
     decode = subjects.add_parser(
-        "decode", help="plain and speculative round latency per bucket (Llama-3.1-8B shapes)"
+        "decode", help="plain and speculative round latency per bucket (random weights)"
     )
+    decode.add_argument(
+        "--shapes", default="llama-3.1-8b", choices=sorted(SHAPES),
+        help="the target's shapes (and its head's draft vocabulary)",
+    )  # fmt: skip
     decode.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
     decode.add_argument("--context", type=int, default=1024, help="committed tokens per slot")
     decode.add_argument("--rounds", type=int, default=20, help="timed rounds per point")
-    decode.add_argument("--draft-vocab", type=int, default=32000)
+    decode.add_argument(
+        "--draft-vocab", type=int, default=None, help="default: the shapes' (32000 for 8B)"
+    )
     decode.add_argument(
         "--accept-length",
         type=float,
@@ -58,6 +66,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--tree", type=int, nargs=3, default=None, metavar=("D", "K", "N"),
         help="one tree for every bucket (default: the engine's per-bucket table)",
+    )  # fmt: skip
+    decode.add_argument(
+        "--top-kernels", type=int, default=15,
+        help="list this many of a round's costliest kernels per point (0: none)",
     )  # fmt: skip
     decode.add_argument("--json", default=None, help="write one JSON line per point here")
     decode.set_defaults(func=run_decode)
@@ -142,15 +154,17 @@ def run_kernels(args: argparse.Namespace) -> int:
 def run_decode(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("bench decode needs a CUDA GPU")
-    from .decode_bench import LLAMA_31_8B, bench_bucket, random_eagle3_head, random_target
+    from .decode_bench import bench_bucket, random_eagle3_head, random_target
     from .kernel_bench import copy_bandwidth
 
-    env = _environment() | {"model": "Llama-3.1-8B shapes, random bf16 weights"}
+    shapes = SHAPES[args.shapes]
+    draft_vocab = args.draft_vocab or shapes.draft_vocab_size
+    env = _environment() | {"model": f"{shapes.description}, random bf16 weights"}
     bandwidth = copy_bandwidth()
     env["copy_bandwidth_gbps"] = bandwidth / 1e9
     print(json.dumps(env))
-    target = random_target(LLAMA_31_8B, device="cuda", dtype=torch.bfloat16)
-    head = random_eagle3_head(target, draft_vocab_size=args.draft_vocab, dtype=torch.bfloat16)
+    target = random_target(shapes.target, device="cuda", dtype=torch.bfloat16)
+    head = random_eagle3_head(target, draft_vocab_size=draft_vocab, dtype=torch.bfloat16)
     trees = {1: TreeShape(*args.tree)} if args.tree else DEFAULT_TREES
     table = EngineConfig(buckets=tuple(args.buckets), trees=trees)
     points = []
@@ -164,10 +178,11 @@ def run_decode(args: argparse.Namespace) -> int:
                 point = bench_bucket(
                     target, head, bucket=bucket, tree=tree, context=args.context,
                     num_rounds=args.rounds, bandwidth=bandwidth,
+                    num_top_kernels=args.top_kernels,
                 )  # fmt: skip
                 points.append(point)
                 print(json.dumps(point | env), file=sink or sys.stdout, flush=True)
-                print(json.dumps(point), file=sys.stderr, flush=True)
+                print(format_kernel_table(point), file=sys.stderr, flush=True)
     finally:
         if sink:
             sink.close()
@@ -205,6 +220,19 @@ def format_decode_table(points: list[dict], *, accept_length: float) -> str:
             f"{_fmt((s or p)['graph_pool_mib'], '.0f'):>8}"
         )
     return "\n".join(rows)
+
+
+def format_kernel_table(point: dict) -> str:
+    """A point's round: kernels launched and their time, then its costliest kernels."""
+    tree = "" if point["tree"] is None else " tree " + ",".join(map(str, point["tree"]))
+    lines = [
+        f"B={point['bucket']} {point['mode']}{tree}: {point['round_ms']:.3f} ms per round, "
+        f"{point['kernels_per_round']:.0f} kernels, {point['kernel_us_per_round']:.0f} us in "
+        f"kernels, idle in graph {_fmt(point['gpu_idle_in_graph'], '.1%')}"
+    ]
+    for name, launches, micros in point["top_kernels"]:
+        lines.append(f"  {micros:8.1f} us {launches:6.1f}x  {name}")
+    return "\n".join(lines)
 
 
 def run_hf(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """`specrun bench decode`: plain and speculative round latency per batch bucket against the
-memory floor, with Llama-3.1-8B shapes and random bf16 weights (the cost of a forward does
-not depend on the weights' values).
+memory floor, with the shapes of a known model (Llama-3.1-8B, or SmolLM2-135M, the embedded
+default) and random bf16 weights (the cost of a forward does not depend on the weights' values).
 
 Every point runs the engine's own decoder: the round of each bucket compiled with Inductor and
 specrun's passes and replayed as one CUDA graph. The state is filled synthetically (every slot
@@ -13,13 +13,17 @@ prompt forward. Per point:
   the committed K/V, over the measured device copy bandwidth;
 - GPU idle time inside the decoding loop: the host loop of the decoder (submit, read one round
   behind) under the profiler, 1 - busy kernel time / span; and the same for replays back to
-  back, whose idle time is the gaps between kernels inside the graph, not the host.
+  back, whose idle time is the gaps between kernels inside the graph, not the host;
+- from that same profile, the kernels a round launches: how many, their summed time, and the
+  costliest by name (what a launch-bound round spends its time on).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +49,34 @@ LLAMA_31_8B = LlamaConfig(
     rope_theta=500000.0,
     max_position_embeddings=131072,
 )
+
+SMOLLM2_135M = LlamaConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+
+
+@dataclass(frozen=True)
+class BenchShapes:
+    """A target's shapes and the draft vocabulary of its EAGLE-3 head."""
+
+    description: str
+    target: LlamaConfig
+    draft_vocab_size: int
+
+
+SHAPES = {
+    "llama-3.1-8b": BenchShapes("Llama-3.1-8B shapes", LLAMA_31_8B, 32000),
+    "smollm2-135m": BenchShapes("SmolLM2-135M shapes", SMOLLM2_135M, 8192),
+}
 
 
 def random_target(config: LlamaConfig, *, device: str, dtype: torch.dtype) -> Llama:
@@ -133,11 +165,18 @@ def time_replays(run, *, num_rounds: int) -> float:
     return start.elapsed_time(end) / 1e3 / num_rounds
 
 
-def gpu_idle_fraction(run, *, bucket: int, num_rounds: int, host_loop: bool) -> float | None:
-    """1 - busy / span of the GPU over `num_rounds` rounds: driven by the decoder's host loop
-    (launch, copy the report out, read it one round behind) when `host_loop`, else replayed
-    back to back (what remains is the gaps between kernels inside the graph). None if the
-    profiler saw no kernels."""
+@dataclass(frozen=True)
+class KernelSpan:
+    """One kernel execution seen by the profiler: name, start and end in microseconds."""
+
+    name: str
+    start: float
+    end: float
+
+
+def profile_kernels(run, *, bucket: int, num_rounds: int, host_loop: bool) -> list[KernelSpan]:
+    """The kernels of `num_rounds` rounds, driven by the decoder's host loop (launch, copy the
+    report out, read it one round behind) when `host_loop`, else replayed back to back."""
     from torch.profiler import ProfilerActivity, profile
 
     reader = ReportReader(torch.device("cuda"), bucket)
@@ -151,23 +190,48 @@ def gpu_idle_fraction(run, *, bucket: int, num_rounds: int, host_loop: bool) -> 
                 reader.submit(run)
             reader.read()
         torch.cuda.synchronize()
-    intervals = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    return sorted(
+        (
+            KernelSpan(e.name, e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+        ),
+        key=lambda k: (k.start, k.end),
     )
-    if not intervals:
+
+
+def idle_fraction(kernels: list[KernelSpan]) -> float | None:
+    """1 - (union of kernel intervals) / span; None without kernels."""
+    if not kernels:
         return None
-    busy, current_start, current_end = 0.0, *intervals[0]
-    for start, end in intervals[1:]:
-        if start > current_end:
+    busy, current_start, current_end = 0.0, kernels[0].start, kernels[0].end
+    for kernel in kernels[1:]:
+        if kernel.start > current_end:
             busy += current_end - current_start
-            current_start, current_end = start, end
+            current_start, current_end = kernel.start, kernel.end
         else:
-            current_end = max(current_end, end)
+            current_end = max(current_end, kernel.end)
     busy += current_end - current_start
-    span = intervals[-1][1] - intervals[0][0]
+    span = kernels[-1].end - kernels[0].start
     return max(0.0, 1.0 - busy / span) if span > 0 else None
+
+
+def kernel_table(kernels: list[KernelSpan], *, num_rounds: int, top: int) -> dict:
+    """Per round: kernels launched, their summed time (us), and the `top` costliest kernel
+    names as [name, launches per round, us per round]."""
+    count: dict[str, int] = defaultdict(int)
+    total: dict[str, float] = defaultdict(float)
+    for kernel in kernels:
+        count[kernel.name] += 1
+        total[kernel.name] += kernel.end - kernel.start
+    costliest = sorted(total, key=total.get, reverse=True)[:top]
+    return {
+        "kernels_per_round": len(kernels) / num_rounds,
+        "kernel_us_per_round": sum(total.values()) / num_rounds,
+        "top_kernels": [
+            [name[:120], count[name] / num_rounds, total[name] / num_rounds] for name in costliest
+        ],
+    }
 
 
 def bench_bucket(
@@ -179,8 +243,10 @@ def bench_bucket(
     context: int,
     num_rounds: int,
     bandwidth: float,
+    num_top_kernels: int = 0,
 ) -> dict:
-    """Plain (tree None) or speculative round latency of one bucket, and what it cost."""
+    """Plain (tree None) or speculative round latency of one bucket, and what it cost; with
+    `num_top_kernels`, also the round's costliest kernels (`kernel_table`)."""
     depth = 0 if tree is None else tree.depth
     config = EngineConfig(
         device="cuda",
@@ -208,9 +274,9 @@ def bench_bucket(
     point["round_ms"] = time_replays(run, num_rounds=num_rounds) * 1e3
     fill_state(state, context=context, vocab_size=target.config.vocab_size)
     for key, host_loop in (("gpu_idle", True), ("gpu_idle_in_graph", False)):
-        point[key] = gpu_idle_fraction(
-            run, bucket=bucket, num_rounds=num_rounds, host_loop=host_loop
-        )
+        kernels = profile_kernels(run, bucket=bucket, num_rounds=num_rounds, host_loop=host_loop)
+        point[key] = idle_fraction(kernels)
+    point |= kernel_table(kernels, num_rounds=num_rounds, top=num_top_kernels)
     floor = floor_seconds(target, batch=bucket, context=context, bandwidth=bandwidth)
     point["floor_ms"] = floor * 1e3
     if tree is None:

@@ -3,7 +3,8 @@
 For each temperature: every prompt is decoded alone (batch 1) twice with the same engine
 settings, once speculatively with the head and once plainly (no head), and reported as one
 JSON line: mean accepted length (tokens per round), the histogram of accepted draft tokens
-per round, tokens/s of both and the speed-up. A table follows on stdout.
+per round, tokens/s of both and the speed-up, and where each side's time went (prefill, rounds
+on the GPU, the rest). A table follows on stdout.
 Prompts are JSON lines {"prompt": text} or {"prompt_ids": [ids]}.
 """
 
@@ -95,6 +96,8 @@ def evaluate_point(
         "tokens_per_second": spec_stats.tokens_per_second,
         "baseline_tokens_per_second": plain_stats.tokens_per_second,
         "speedup": spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9),
+        **time_breakdown(spec_stats),
+        **time_breakdown(plain_stats, prefix="baseline_"),
     }
 
 
@@ -113,7 +116,24 @@ def _since(before: EngineStats, after: EngineStats) -> EngineStats:
         decode_seconds=after.decode_seconds - before.decode_seconds,
         num_rounds=after.num_rounds - before.num_rounds,
         accepted_histogram=[a - b for a, b in zip(after.accepted_histogram, old, strict=True)],
+        prefill_seconds=after.prefill_seconds - before.prefill_seconds,
+        round_seconds=after.round_seconds - before.round_seconds,
     )
+
+
+def time_breakdown(stats: EngineStats, *, prefix: str = "") -> dict:
+    """Where the decoding time went: wall seconds, the prefills' and rounds' seconds (GPU time
+    on CUDA), the mean round in milliseconds, and the wall time outside both (host work the
+    GPU waited for, tokenization, the last round launched after a request ended)."""
+    return {
+        f"{prefix}wall_seconds": stats.decode_seconds,
+        f"{prefix}prefill_seconds": stats.prefill_seconds,
+        f"{prefix}round_seconds": stats.round_seconds,
+        f"{prefix}round_ms": 1e3 * stats.round_seconds / max(stats.num_rounds, 1),
+        f"{prefix}other_seconds": stats.decode_seconds
+        - stats.prefill_seconds
+        - stats.round_seconds,
+    }
 
 
 def format_table(records: list[dict]) -> str:

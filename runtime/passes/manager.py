@@ -96,6 +96,7 @@ class PassManager(CustomGraphPass):
 
 def default_passes() -> list[GraphPass]:
     """specrun's passes, in the order they run."""
+    from .topk import SmallTopkReplacement
     from .tree_attention import TreeAttentionFusion
 
-    return [TreeAttentionFusion()]
+    return [TreeAttentionFusion(), SmallTopkReplacement()]

@@ -58,6 +58,13 @@ def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, ca
         assert 1.0 <= record["mean_accepted_length"] <= 4.0
         assert record["tokens_per_second"] > 0 and record["baseline_tokens_per_second"] > 0
         assert record["speedup"] > 0
+        for side in ("", "baseline_"):
+            parts = [record[f"{side}{part}_seconds"] for part in ("prefill", "round", "other")]
+            assert min(parts[:2]) > 0
+            assert sum(parts) == pytest.approx(record[f"{side}wall_seconds"])
+        assert record["round_ms"] == pytest.approx(
+            1e3 * record["round_seconds"] / record["num_rounds"]
+        )
     out = capsys.readouterr().out
     assert "accept len" in out and out.count('"temperature"') == 2
 

@@ -1,0 +1,163 @@
+"""rt::topk against its reference (a stable descending sort cut at k) and torch.topk.
+
+CPU tier: the op on hypothesis-drawn shapes with ties and -inf, its argument checks, opcheck,
+and the Triton kernels under TRITON_INTERPRET=1 (in a subprocess, so the variable never
+reaches the triton imported here). GPU tier (`-m gpu`): the kernels on odd shapes, under
+torch.compile and in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specrun.runtime.kernels.topk import MAX_CHUNK, MAX_K, launch_topk, topk, topk_ref
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_rows(
+    shape: tuple[int, ...], *, dtype: torch.dtype, seed: int, ties: bool, device: str = "cpu"
+) -> torch.Tensor:
+    """Random rows; with `ties`, few distinct values (many equal entries) and some -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    if ties:
+        x = torch.randint(-3, 3, shape, generator=gen).to(torch.float32)
+        x[torch.rand(shape, generator=gen) < 0.2] = float("-inf")
+    else:
+        x = torch.randn(shape, generator=gen)
+    return x.to(dtype).to(device)
+
+
+def assert_matches_reference(values: torch.Tensor, columns: torch.Tensor, x: torch.Tensor, k: int):
+    want_values, want_columns = topk_ref(x.cpu(), k)
+    assert values.dtype == x.dtype and columns.dtype == torch.int64
+    assert torch.equal(values.cpu(), want_values)
+    assert torch.equal(columns.cpu(), want_columns)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    leading=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    num_cols=st.integers(1, 300),
+    k=st.integers(1, MAX_K),
+    ties=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_op_is_a_stable_descending_sort_cut_at_k(leading, num_cols, k, ties, dtype, seed):
+    k = min(k, num_cols)
+    x = make_rows((*leading, num_cols), dtype=dtype, seed=seed, ties=ties)
+    values, columns = topk(x, k)
+    assert values.shape == columns.shape == (*leading, k)
+    want_values, _ = torch.topk(x, k)
+    assert torch.equal(values, want_values)
+    assert torch.equal(x.gather(-1, columns), values)
+    # Equal values come in ascending column order.
+    same_value = values[..., 1:] == values[..., :-1]
+    assert bool((columns[..., 1:] > columns[..., :-1])[same_value].all())
+
+
+@pytest.mark.parametrize(
+    ("x", "k", "message"),
+    [
+        (torch.zeros(3, 5), 6, "k=6"),
+        (torch.zeros(3, 100), MAX_K + 1, f"k={MAX_K + 1}"),
+        (torch.zeros(3, 5), 0, "k=0"),
+        (torch.zeros(3, 5, dtype=torch.float64), 2, "float64"),
+        (torch.zeros(3, 5, dtype=torch.int64), 2, "int64"),
+        (torch.zeros(3, 0), 1, "at least one"),
+    ],
+)
+def test_bad_arguments_are_refused(x, k, message):
+    with pytest.raises(ValueError, match=message):
+        topk(x, k)
+
+
+def test_opcheck():
+    x = make_rows((3, 7, 50), dtype=torch.float32, seed=0, ties=False)
+    torch.library.opcheck(torch.ops.rt.topk.default, (x, 5))
+
+
+def test_triton_kernel_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+INTERPRET_CASES = (
+    # (rows, columns, k, ties): one chunk, a partial chunk, several chunks (the second stage)
+    (3, 37, 5, True),
+    (2, 1000, 16, False),
+    (1, 1, 1, False),
+    (2, MAX_CHUNK + 100, 10, True),
+    (3, 2 * MAX_CHUNK + 1, 8, False),
+)
+
+
+def _interpret_main() -> int:
+    """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference."""
+    failures = 0
+    for i, (num_rows, num_cols, k, ties) in enumerate(INTERPRET_CASES):
+        x = make_rows((num_rows, num_cols), dtype=torch.float32, seed=i, ties=ties)
+        values, columns = launch_topk(x, k)
+        want_values, want_columns = topk_ref(x, k)
+        ok = torch.equal(values, want_values) and torch.equal(columns, want_columns)
+        failures += not ok
+        print(f"case {i}: {num_rows}x{num_cols} k={k} ties={ties} {'ok' if ok else 'FAIL'}")
+    return 1 if failures else 0
+
+
+# GPU tier ---------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # rows, columns, k
+    pytest.param(8, 8192, 8, id="draft-frontier"),
+    pytest.param(1, 8192, 10, id="draft-root"),
+    pytest.param(64, 32000, 8, id="8b-draft-vocab"),
+    pytest.param(3, 49152, 16, id="two-stage"),
+    pytest.param(5, 128256, MAX_K, id="llama3-vocab-max-k"),
+    pytest.param(7, 33, 1, id="tiny"),
+    pytest.param(2, 8193, 5, id="chunk-plus-one"),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_rows", "num_cols", "k"), GPU_CASES)
+def test_gpu_kernel_matches_reference(num_rows, num_cols, k, dtype, ties):
+    x = make_rows((num_rows, num_cols), dtype=dtype, seed=num_cols, ties=ties, device="cuda")
+    assert_matches_reference(*topk(x, k), x, k)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_batched_rows_under_compile_and_in_a_cuda_graph():
+    x = make_rows((2, 8, 8192), dtype=torch.float32, seed=1, ties=False, device="cuda")
+
+    def top_of_log_softmax(logits):
+        return topk(logits.log_softmax(-1), 8)
+
+    compiled = torch.compile(top_of_log_softmax, fullgraph=True)
+    assert_matches_reference(*compiled(x), x.log_softmax(-1), 8)
+    compiled(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, columns = topk(x, 8)
+    x.copy_(make_rows(x.shape, dtype=x.dtype, seed=2, ties=True, device="cuda"))
+    graph.replay()
+    assert_matches_reference(values, columns, x, 8)
+
+
+if __name__ == "__main__":
+    sys.exit(_interpret_main())
