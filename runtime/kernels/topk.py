@@ -2,14 +2,15 @@
 
 The draft picks a handful of children from each frontier node's distribution over the draft
 vocabulary: topk with k <= 16 over [B * K, V] rows. ATen's topk runs a multi-pass radix
-select per row, about 40 us on an H100 for [8, 8192], a fifth of a 135M target's whole plain
-step; a round drafting 5 levels paid for it five times. Here a program holds one chunk of a
-row in registers and takes its maximum k times, removing each winner:
+select per row, about 40 us on an H100 for [8, 8192] (a 135M target's plain step is 1.5 ms),
+and a round drafting 5 levels paid for it five times. Here a program holds one chunk of a row
+in registers as int64 keys, (value, column) packed so that one max-reduction picks the best
+value and, among equal values, the lowest column; it takes the maximum k times, removing
+each winner:
 
-- stage 1: grid (rows, chunks); each chunk of at most `MAX_CHUNK` columns gives its own top k
-  (value, column) pairs, best first;
-- stage 2 (only with more than one chunk): the same kernel over each row's chunks * k
-  candidates, carrying their columns.
+- stage 1: grid (rows, chunks); each chunk of at most `MAX_CHUNK` columns gives its own top k,
+  best first (as keys when a second stage follows);
+- stage 2 (only with more than one chunk): the same kernel over each row's chunks * k keys.
 
 Order is defined exactly, unlike ATen's: values descending, equal values by ascending column,
 so the kernel and `topk_ref` (a stable descending sort, cut at k) agree bit for bit. -inf
@@ -24,40 +25,58 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 MAX_K = 64
-MAX_CHUNK = 8192
+MAX_CHUNK = 2048
+# Below every entry's key: padding, and entries already taken.
+_NO_KEY = tl.constexpr(-9223372036854775808)
+
+
+@triton.jit
+def _sort_key(x, column):
+    """int64 keys ordered as (x descending, column ascending): the float32 bits made
+    order-preserving as signed ints in the high word, the column's complement in the low."""
+    x = x.to(tl.float32)
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 ties with 0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (tl.full((), 0xFFFFFFFF, tl.int64) - column)
+
+
+@triton.jit
+def _store_key(key, values_ptr, columns_ptr):
+    """Unpack one key into its value (in the output's dtype) and its column."""
+    ordered = (key >> 32).to(tl.int32)
+    value = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    tl.store(values_ptr, value.to(values_ptr.dtype.element_ty))
+    low_word = tl.full((), 0xFFFFFFFF, tl.int64)
+    tl.store(columns_ptr, low_word - (key & low_word))
 
 
 @triton.jit
 def _topk_kernel(
-    x_ptr, column_ptr, values_ptr, columns_ptr,
-    num_cols, stride_x, stride_column, stride_out,
-    K: tl.constexpr, BLOCK: tl.constexpr, HAS_COLUMNS: tl.constexpr,
+    x_ptr, keys_ptr, values_ptr, columns_ptr,
+    num_cols, stride_x, stride_out,
+    K: tl.constexpr, BLOCK: tl.constexpr, FROM_KEYS: tl.constexpr, TO_KEYS: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, chunk): the top K of x[row, chunk * BLOCK : (chunk + 1) * BLOCK] into
-    values/columns[row, chunk * K : (chunk + 1) * K]. With HAS_COLUMNS, entry i stands for
-    column column_ptr[row, i] (stage 2), else for its own position."""
+    """Program (row, chunk): the top K entries of columns [chunk * BLOCK, (chunk + 1) * BLOCK)
+    of a row, best first, at [row, chunk * K + i] of the outputs: as keys (TO_KEYS, stage 1 of
+    two) or as values and columns. FROM_KEYS (stage 2) reads keys instead of x."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offsets = chunk * BLOCK + tl.arange(0, BLOCK)
     valid = offsets < num_cols
-    x = tl.load(x_ptr + row * stride_x + offsets, mask=valid, other=float("-inf"))
-    x = x.to(tl.float32)
-    if HAS_COLUMNS:
-        column = tl.load(column_ptr + row * stride_column + offsets, mask=valid, other=0)
+    if FROM_KEYS:
+        keys = tl.load(keys_ptr + row * num_cols + offsets, mask=valid, other=_NO_KEY)
     else:
-        column = offsets.to(tl.int64)
-    # Padding sorts after every real entry, -inf ones included: it has the largest column.
-    column = tl.where(valid, column, 9223372036854775807)
-    taken = offsets < 0
-    out = values_ptr + row * stride_out + chunk * K
-    out_columns = columns_ptr + row * stride_out + chunk * K
+        x = tl.load(x_ptr + row * stride_x + offsets, mask=valid, other=0.0)
+        keys = tl.where(valid, _sort_key(x, offsets.to(tl.int64)), _NO_KEY)
+    out = row * stride_out + chunk * K
     for i in tl.static_range(K):
-        remaining = tl.where(taken, float("-inf"), x)
-        best = tl.max(remaining, 0)
-        winner = tl.min(tl.where((remaining == best) & ~taken, column, 9223372036854775807), 0)
-        taken = taken | (column == winner)
-        tl.store(out + i, best.to(values_ptr.dtype.element_ty))
-        tl.store(out_columns + i, winner)
+        best = tl.max(keys, 0)
+        # Keys are distinct (their columns are), so this removes exactly the winner.
+        keys = tl.where(keys == best, _NO_KEY, keys)
+        if TO_KEYS:
+            tl.store(keys_ptr + out + i, best)
+        else:
+            _store_key(best, values_ptr + out + i, columns_ptr + out + i)
 
 
 def _wrap(kernel):
@@ -66,7 +85,7 @@ def _wrap(kernel):
 
 
 def _num_warps(block: int) -> int:
-    return 8 if block >= 4096 else 4
+    return 8 if block >= 2048 else 4
 
 
 def launch_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,24 +94,22 @@ def launch_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     num_rows, num_cols = x.shape
     block = min(triton.next_power_of_2(num_cols), MAX_CHUNK)
     num_chunks = triton.cdiv(num_cols, block)
-    # The candidates stay in x's dtype: exact, since they are copies of x's entries.
-    values = torch.empty((num_rows, num_chunks * k), dtype=x.dtype, device=x.device)
-    columns = torch.empty((num_rows, num_chunks * k), dtype=torch.int64, device=x.device)
+    values = torch.empty((num_rows, k), dtype=x.dtype, device=x.device)
+    columns = torch.empty((num_rows, k), dtype=torch.int64, device=x.device)
+    two_stages = num_chunks > 1
+    keys = torch.empty((num_rows, num_chunks * k) if two_stages else (0,), dtype=torch.int64,
+                       device=x.device)  # fmt: skip
     _wrap(_topk_kernel)[(num_rows, num_chunks)](
-        x, columns, values, columns, num_cols, x.stride(0), 0, values.stride(0),
-        K=k, BLOCK=block, HAS_COLUMNS=False, num_warps=_num_warps(block),
+        x, keys, values, columns, num_cols, x.stride(0), keys.shape[-1] if two_stages else k,
+        K=k, BLOCK=block, FROM_KEYS=False, TO_KEYS=two_stages, num_warps=_num_warps(block),
     )  # fmt: skip
-    if num_chunks == 1:
-        return values, columns
-    out_values = torch.empty((num_rows, k), dtype=x.dtype, device=x.device)
-    out_columns = torch.empty((num_rows, k), dtype=torch.int64, device=x.device)
-    block = triton.next_power_of_2(num_chunks * k)
-    _wrap(_topk_kernel)[(num_rows, 1)](
-        values, columns, out_values, out_columns, num_chunks * k,
-        values.stride(0), columns.stride(0), out_values.stride(0),
-        K=k, BLOCK=block, HAS_COLUMNS=True, num_warps=_num_warps(block),
-    )  # fmt: skip
-    return out_values, out_columns
+    if two_stages:
+        block = triton.next_power_of_2(num_chunks * k)
+        _wrap(_topk_kernel)[(num_rows, 1)](
+            x, keys, values, columns, num_chunks * k, x.stride(0), k,
+            K=k, BLOCK=block, FROM_KEYS=True, TO_KEYS=False, num_warps=_num_warps(block),
+        )  # fmt: skip
+    return values, columns
 
 
 def check_topk_inputs(x: torch.Tensor, k: int) -> None:
