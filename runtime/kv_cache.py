@@ -1,7 +1,7 @@
 """Static KV storage: per-layer K/V buffers of fixed capacity plus per-slot lengths on the device.
 
 Shapes never change after allocation, so the same buffers serve eager code, compiled code and
-replayed CUDA graphs. Appends are scatters at each slot's own length: slots are ragged.
+replayed CUDA graphs. Appends write at each slot's own length: slots are ragged.
 """
 
 from __future__ import annotations
@@ -65,10 +65,18 @@ class KVCache:
             k_new, v_new: [L, B, Hkv, T, D].
             num_new: [B] int64, tokens to commit per slot (<= T).
         """
-        num_layers, batch, num_heads, num_tokens, head_dim = k_new.shape
-        offsets = torch.arange(num_tokens, device=k_new.device)
-        index = (self.lengths[:, None] + offsets).view(1, batch, 1, num_tokens, 1)
-        index = index.expand(num_layers, batch, num_heads, num_tokens, head_dim)
-        self.k.scatter_(3, index, k_new.to(self.k.dtype))
-        self.v.scatter_(3, index, v_new.to(self.v.dtype))
+        num_layers, batch, num_heads, num_tokens, _ = k_new.shape
+        device = k_new.device
+        # Indices broadcast to [L, B, Hkv, T]. An index_put_, not a scatter_ along dim 3:
+        # Inductor writes index_put_ in place into the cache, but compiles a scatter_ of a
+        # graph input as a copy of the whole cache, scattered, then copied back (twice the
+        # cache's bytes per step, whatever T).
+        index = (
+            torch.arange(num_layers, device=device).view(-1, 1, 1, 1),
+            torch.arange(batch, device=device).view(1, -1, 1, 1),
+            torch.arange(num_heads, device=device).view(1, 1, -1, 1),
+            (self.lengths[:, None] + torch.arange(num_tokens, device=device))[None, :, None],
+        )
+        self.k.index_put_(index, k_new.to(self.k.dtype))
+        self.v.index_put_(index, v_new.to(self.v.dtype))
         self.lengths += num_new

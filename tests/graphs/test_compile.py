@@ -145,3 +145,37 @@ def test_draft_phase_compiled_with_grad_enabled_matches_eager():
     assert torch.equal(compiled.draft.lengths, eager.draft.lengths)
     torch.testing.assert_close(compiled.draft.k, eager.draft.k)
     torch.testing.assert_close(compiled.draft.v, eager.draft.v)
+
+
+def _append_three(cache: KVCache, k_new: torch.Tensor, num_new: torch.Tensor) -> None:
+    cache.append(k_new, -k_new, num_new)
+
+
+def test_a_compiled_kv_append_writes_into_the_cache_in_place():
+    """A scatter_ into the cache (a graph input) compiled to a copy of the whole cache,
+    scattered, then copied back, every step; the append must allocate nothing cache-sized."""
+    from torch._inductor.utils import run_and_get_code
+
+    config, capacity = tiny_config(), 1031
+    caches = [
+        KVCache.allocate(config, batch_size=4, capacity=capacity, dtype=torch.float32, device="cpu")
+        for _ in range(2)
+    ]
+    # Slots of a larger store, as the decoder's buckets are.
+    compiled, eager = (KVCache(c.k[:, :3], c.v[:, :3], c.lengths[:3]) for c in caches)
+    for cache in (compiled, eager):
+        cache.lengths.copy_(torch.tensor([0, 7, capacity - 5]))
+    shape = (config.num_layers, 3, config.num_kv_heads, 5, config.head_dim)
+    k_new = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    num_new = torch.tensor([5, 2, 0])
+    step = compile_step(_append_three, name="append")
+    _, sources = run_and_get_code(step, compiled, k_new, num_new)
+    _append_three(eager, k_new, num_new)
+    for name in ("k", "v", "lengths"):
+        assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    allocations = [
+        line for source in sources for line in source.splitlines()
+        if "empty_strided" in line and str(capacity) in line
+    ]  # fmt: skip
+    assert not allocations, allocations

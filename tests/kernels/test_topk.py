@@ -29,9 +29,10 @@ def make_rows(
     "signed zeros", mostly 0.0 and -0.0 (equal values that differ in their sign bit)."""
     gen = torch.Generator().manual_seed(seed)
     if ties == "signed zeros":
-        x = torch.randint(-1, 2, shape, generator=gen) * torch.tensor([0.0, -0.0, 1.0]).repeat(
-            shape[-1] // 3 + 1
-        )[: shape[-1]]
+        x = (
+            torch.randint(-1, 2, shape, generator=gen)
+            * torch.tensor([0.0, -0.0, 1.0]).repeat(shape[-1] // 3 + 1)[: shape[-1]]
+        )
     elif ties:
         x = torch.randint(-3, 3, shape, generator=gen).to(torch.float32)
         x[torch.rand(shape, generator=gen) < 0.2] = float("-inf")
