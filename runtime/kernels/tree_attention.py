@@ -172,7 +172,9 @@ def _tree_attention_kernel(
 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    out_rows = (b * GROUP * num_kv_heads + head) * num_queries + m_idx
+    # Output rows in (slot, query, head) order: the [B, M, Hq, D] layout the output
+    # projection reads, so that no copy is needed to bring the heads together.
+    out_rows = (b * num_queries + m_idx) * (GROUP * num_kv_heads) + head
     if not WRITE_PARTIALS:
         out_ptrs = out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :]
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -231,7 +233,9 @@ def launch_tree_attention(
     """
     batch, num_q_heads, num_queries, head_dim = q.shape
     num_kv_heads, cache_size = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(
+        (batch, num_queries, num_q_heads, head_dim), dtype=q.dtype, device=q.device
+    ).transpose(1, 2)
     # Past one prefix split, the tree keys get a split of their own (see the kernel).
     num_splits = config.num_splits + 1 if config.num_splits > 1 else 1
     num_out_rows = batch * num_q_heads * num_queries
@@ -327,7 +331,9 @@ def tree_attention(
             prompt length then serves every length, where the shape-tuned config would pick
             new tiles (and compile a new variant) for some lengths at run time.
     Returns:
-        [B, Hq, M, D] in q's dtype; a query that sees no key at all gets zeros.
+        [B, Hq, M, D] in q's dtype; a query that sees no key at all gets zeros. On CUDA its
+        memory is [B, M, Hq, D] (strides of a transpose), so the [B, M, Hq * D] input of the
+        output projection is a view of it rather than a copy.
     """
     return torch.ops.rt.tree_attention(
         q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale, fixed_config=fixed_config
