@@ -83,7 +83,7 @@ def evaluate_point(
     spec_stats = _since(spec_before, spec.stats())
     plain_stats = _since(plain_before, plain.stats())
     shape = spec.config.tree_for(1)
-    return {
+    record = {
         "temperature": temperature,
         "num_prompts": len(prompts),
         "depth": shape.depth,
@@ -99,6 +99,10 @@ def evaluate_point(
         **time_breakdown(spec_stats),
         **time_breakdown(plain_stats, prefix="baseline_"),
     }
+    record["decode_speedup"] = record["decode_tokens_per_second"] / max(
+        record["baseline_decode_tokens_per_second"], 1e-9
+    )
+    return record
 
 
 def _warmup_params(params: SamplingParams) -> SamplingParams:
@@ -123,9 +127,13 @@ def _since(before: EngineStats, after: EngineStats) -> EngineStats:
 
 def time_breakdown(stats: EngineStats, *, prefix: str = "") -> dict:
     """Where the decoding time went: wall seconds, the prefills' and rounds' seconds (GPU time
-    on CUDA), the mean round in milliseconds, and the wall time outside both (host work the
-    GPU waited for, tokenization, the last round launched after a request ended)."""
+    on CUDA), the mean round in milliseconds, the wall time outside both (host work the GPU
+    waited for, tokenization, the last round launched after a request ended), and the tokens
+    per second of the rounds alone (every token but each request's first, which its prefill
+    samples)."""
+    round_tokens = stats.num_generated_tokens - stats.num_requests
     return {
+        f"{prefix}decode_tokens_per_second": round_tokens / max(stats.round_seconds, 1e-9),
         f"{prefix}wall_seconds": stats.decode_seconds,
         f"{prefix}prefill_seconds": stats.prefill_seconds,
         f"{prefix}round_seconds": stats.round_seconds,
@@ -137,13 +145,19 @@ def time_breakdown(stats: EngineStats, *, prefix: str = "") -> dict:
 
 
 def format_table(records: list[dict]) -> str:
-    """One row per temperature: accepted length, tokens/s with and without the head."""
-    header = f"{'temp':>6} {'accept len':>10} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8}"
+    """One row per temperature: accepted length, tokens/s with and without the head (wall
+    time, prefills included), the mean round and plain step, and the speed-up of the rounds
+    alone."""
+    header = (
+        f"{'temp':>6} {'accept len':>10} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8} "
+        f"{'round ms':>9} {'step ms':>8} {'decode speedup':>15}"
+    )
     rows = [header, "-" * len(header)]
     for r in records:
         rows.append(
             f"{r['temperature']:>6.2f} {r['mean_accepted_length']:>10.2f} "
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
-            f"{r['speedup']:>7.2f}x"
+            f"{r['speedup']:>7.2f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
+            f"{r['decode_speedup']:>14.2f}x"
         )
     return "\n".join(rows)

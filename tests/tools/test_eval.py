@@ -62,6 +62,9 @@ def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, ca
             parts = [record[f"{side}{part}_seconds"] for part in ("prefill", "round", "other")]
             assert min(parts[:2]) > 0
             assert sum(parts) == pytest.approx(record[f"{side}wall_seconds"])
+        assert record["decode_speedup"] == pytest.approx(
+            record["decode_tokens_per_second"] / record["baseline_decode_tokens_per_second"]
+        )
         assert record["round_ms"] == pytest.approx(
             1e3 * record["round_seconds"] / record["num_rounds"]
         )
