@@ -14,8 +14,8 @@ prompt forward. Per point:
 - GPU idle time inside the decoding loop: the host loop of the decoder (submit, read one round
   behind) under the profiler, 1 - busy kernel time / span; and the same for replays back to
   back, whose idle time is the gaps between kernels inside the graph, not the host;
-- from that same profile, the kernels a round launches: how many, their summed time, and the
-  costliest by name (what a launch-bound round spends its time on).
+- from the profile of back-to-back replays, the kernels a round launches: how many, their
+  summed time, and the costliest by name (what a launch-bound round spends its time on).
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ either `sorted` allows, and orders equal values by index, one of the orders ATen
 from __future__ import annotations
 
 import contextlib
-import logging
 import operator
 
 import torch
@@ -26,8 +25,6 @@ from torch._guards import detect_fake_mode
 from ..kernels import topk as topk_kernel
 from .fx_match import aten, is_call, is_dim, kwargs_of, tensor_val
 from .manager import GraphPass
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

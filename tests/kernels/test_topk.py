@@ -8,14 +8,13 @@ torch.compile and in a CUDA graph.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton_interpreter import assert_script_passes_under_interpreter
 
 from specrun.runtime.kernels.topk import MAX_CHUNK, MAX_K, launch_topk, topk, topk_ref
 
@@ -92,11 +91,7 @@ def test_opcheck():
 
 
 def test_triton_kernel_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_script_passes_under_interpreter(__file__)
 
 
 INTERPRET_CASES = (

@@ -8,8 +8,6 @@ torch.compile, and replayed from a CUDA graph with changed cache lengths.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -19,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from triton_interpreter import assert_script_passes_under_interpreter
 
 from specrun.models.attention import pack_ancestor_mask
 from specrun.models.attention import tree_attention as model_tree_attention
@@ -208,11 +207,7 @@ def test_compile_fullgraph_cpu():
 
 
 def test_triton_kernel_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_script_passes_under_interpreter(__file__)
 
 
 INTERPRET_CASES = (
