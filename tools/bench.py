@@ -68,6 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="one tree for every bucket (default: the engine's per-bucket table)",
     )  # fmt: skip
     decode.add_argument(
+        "--prompt-length", type=int, default=0,
+        help="also time the prefill of prompts this long (time to first token; 0: no)",
+    )  # fmt: skip
+    decode.add_argument(
         "--top-kernels", type=int, default=15,
         help="list this many of a round's costliest kernels per point (0: none)",
     )  # fmt: skip
@@ -178,7 +182,7 @@ def run_decode(args: argparse.Namespace) -> int:
                 point = bench_bucket(
                     target, head, bucket=bucket, tree=tree, context=args.context,
                     num_rounds=args.rounds, bandwidth=bandwidth,
-                    num_top_kernels=args.top_kernels,
+                    num_top_kernels=args.top_kernels, prompt_length=args.prompt_length,
                 )  # fmt: skip
                 points.append(point)
                 print(json.dumps(point | env), file=sink or sys.stdout, flush=True)
@@ -230,6 +234,8 @@ def format_kernel_table(point: dict) -> str:
         f"{point['kernels_per_round']:.0f} kernels, {point['kernel_us_per_round']:.0f} us in "
         f"kernels, idle in graph {_fmt(point['gpu_idle_in_graph'], '.1%')}"
     ]
+    if "prefill_ms" in point:
+        lines.append(f"  prefill of {point['prompt_length']} tokens: {point['prefill_ms']:.2f} ms")
     for name, launches, micros in point["top_kernels"]:
         lines.append(f"  {micros:8.1f} us {launches:6.1f}x  {name}")
     return "\n".join(lines)

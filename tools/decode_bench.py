@@ -15,12 +15,15 @@ prompt forward. Per point:
   behind) under the profiler, 1 - busy kernel time / span; and the same for replays back to
   back, whose idle time is the gaps between kernels inside the graph, not the host;
 - from the profile of back-to-back replays, the kernels a round launches: how many, their
-  summed time, and the costliest by name (what a launch-bound round spends its time on).
+  summed time, and the costliest by name (what a launch-bound round spends its time on);
+- optionally, the prefill of a batch of random prompts through the decoder's public stream
+  (the time to the first token once everything is compiled).
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ import torch
 from ..models.config import DraftConfig, LlamaConfig
 from ..models.eagle import DraftHead, build_draft
 from ..models.llama import Llama
-from ..runtime.config import EngineConfig
+from ..runtime.config import EngineConfig, SamplingParams
 from ..runtime.decoder import Decoder, ReportReader
 from ..runtime.graphs import CudaGraphRunner, compile_step
 from ..runtime.round import SpecState, draft_phase
@@ -244,9 +247,11 @@ def bench_bucket(
     num_rounds: int,
     bandwidth: float,
     num_top_kernels: int = 0,
+    prompt_length: int = 0,
 ) -> dict:
     """Plain (tree None) or speculative round latency of one bucket, and what it cost; with
-    `num_top_kernels`, also the round's costliest kernels (`kernel_table`)."""
+    `num_top_kernels`, also the round's costliest kernels (`kernel_table`); with
+    `prompt_length`, also the prefill of prompts that long (`prefill_ms`)."""
     depth = 0 if tree is None else tree.depth
     config = EngineConfig(
         device="cuda",
@@ -286,8 +291,28 @@ def bench_bucket(
         fill_state(state, context=context, vocab_size=target.config.vocab_size)
         point["draft_ms"] = _draft_phase_ms(head, state, tree, num_rounds=num_rounds)
         point["verify_ms"] = point["round_ms"] - point["draft_ms"]
+    if prompt_length:
+        point["prompt_length"] = prompt_length
+        point["prefill_ms"] = prefill_ms(decoder, bucket, prompt_length=prompt_length)
     decoder.close()
     return point
+
+
+def prefill_ms(decoder: Decoder, bucket: int, *, prompt_length: int, num_runs: int = 5) -> float:
+    """Median milliseconds from submitting `bucket` random prompts of `prompt_length` tokens
+    to having their first tokens on the host (the decoder's prefill; one warm-up run first)."""
+    vocab_size = decoder.target.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    params = [SamplingParams(max_new_tokens=1)] * bucket
+    times = []
+    for _ in range(num_runs + 1):
+        prompts = torch.randint(0, vocab_size, (bucket, prompt_length), generator=generator)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in decoder.stream(prompts.tolist(), params):
+            pass
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]) * 1e3
 
 
 def _draft_phase_ms(head: DraftHead, state: SpecState, tree: TreeShape, *, num_rounds) -> float:

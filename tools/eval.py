@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from ..runtime.config import EngineConfig, SamplingParams
 from ..runtime.distill.data import read_prompts
 from ..runtime.engine import Engine, EngineStats
@@ -77,7 +79,7 @@ def evaluate_point(
     for engine in (spec, plain):
         engine.generate(prompts[0], _warmup_params(params))
     spec_before, plain_before = spec.stats(), plain.stats()
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc=f"temperature {temperature:g}", unit="prompt"):
         spec.generate(prompt, params)
         plain.generate(prompt, params)
     spec_stats = _since(spec_before, spec.stats())

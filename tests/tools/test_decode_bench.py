@@ -31,3 +31,7 @@ def test_kernel_table_is_per_round_and_costliest_first():
              "gpu_idle_in_graph": 0.0, **table}  # fmt: skip
     text = format_kernel_table(point)
     assert "2 kernels" in text and "gemm" in text and "norm" not in text
+    assert "prefill" not in text
+    assert "prefill of 64 tokens: 3.50 ms" in format_kernel_table(
+        point | {"prompt_length": 64, "prefill_ms": 3.5}
+    )
