@@ -97,10 +97,14 @@ def launch_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.empty((num_rows, k), dtype=x.dtype, device=x.device)
     columns = torch.empty((num_rows, k), dtype=torch.int64, device=x.device)
     two_stages = num_chunks > 1
-    keys = torch.empty((num_rows, num_chunks * k) if two_stages else (0,), dtype=torch.int64,
-                       device=x.device)  # fmt: skip
+    # One stage reads and writes no keys: any int64 pointer stands in for them.
+    keys = (
+        torch.empty((num_rows, num_chunks * k), dtype=torch.int64, device=x.device)
+        if two_stages
+        else columns
+    )
     _wrap(_topk_kernel)[(num_rows, num_chunks)](
-        x, keys, values, columns, num_cols, x.stride(0), keys.shape[-1] if two_stages else k,
+        x, keys, values, columns, num_cols, x.stride(0), keys.shape[-1],
         K=k, BLOCK=block, FROM_KEYS=False, TO_KEYS=two_stages, num_warps=_num_warps(block),
     )  # fmt: skip
     if two_stages:
@@ -126,9 +130,9 @@ def check_topk_inputs(x: torch.Tensor, k: int) -> None:
 def _topk_op(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Also the fake impl and the decomposition torch.compile inlines: non-CUDA tensors
     # (CPU, meta) take the reference.
+    check_topk_inputs(x, k)
     if x.device.type != "cuda":
         return topk_ref(x, k)
-    check_topk_inputs(x, k)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -149,7 +153,6 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         ValueError: for other dtypes, empty rows or k out of range.
     """
-    check_topk_inputs(x, k)
     return torch.ops.rt.topk(x, k)
 
 
@@ -162,4 +165,5 @@ def topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 @_topk_op.register_kernel("cpu")
 def _topk_cpu(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The op on the CPU: the reference."""
+    check_topk_inputs(x, k)
     return topk_ref(x, k)
