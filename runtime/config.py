@@ -161,6 +161,10 @@ class EngineConfig:
         fit.
     compile: compile prefill and rounds with Inductor and specrun's passes (None: on CUDA).
     cuda_graphs: replay each bucket's round as one CUDA graph (None: on CUDA; needs CUDA).
+    prefill_graph_tokens: with CUDA graphs, a prefill whose bucket x padded prompt length
+        (see prefill_graph_length) is at most this replays a graph captured for that pair on
+        first use; longer prefills run the compiled forwards (0: always). The graphs share the
+        rounds' memory pool, which grows to the largest prefill's activations.
     queue: run batches larger than the largest bucket in chunks (False: refuse them).
     """
 
@@ -174,6 +178,7 @@ class EngineConfig:
     max_seq_len: int = 2048
     compile: bool | None = None
     cuda_graphs: bool | None = None
+    prefill_graph_tokens: int = 4096
     queue: bool = True
 
     def __post_init__(self) -> None:
@@ -191,6 +196,12 @@ class EngineConfig:
         _check_int("max_seq_len", self.max_seq_len)
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
+        _check_int("prefill_graph_tokens", self.prefill_graph_tokens)
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(
+                f"prefill_graph_tokens must be 0 (no prefill graphs) or more, got "
+                f"{self.prefill_graph_tokens}"
+            )
 
     def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
         """The draft tree of a batch bucket (None: plain decoding)."""

@@ -34,7 +34,11 @@ from .prefill import (
     allocate_caches,
     allocate_state,
     mark_dynamic_dims,
+    padded_prompts,
     prefill,
+    prefill_forwards,
+    prefill_graph_length,
+    reset_requests,
     state_capacity,
 )
 from .requests import FINISH_LENGTH, FINISH_STOP, check_requests, seeded_rng
@@ -106,6 +110,8 @@ class Decoder:
         self._runner = CudaGraphRunner(self.device) if self.use_graphs else None
         self._stores: tuple[KVCache, KVCache | None] | None = None
         self._states: dict[int, SpecState] = {}
+        # Static prompt buffers (tokens [B, T], lengths [B]) of each captured prefill graph.
+        self._prompt_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.warmups: dict[tuple[int, bool], BucketWarmup] = {}
 
     def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
@@ -191,6 +197,7 @@ class Decoder:
         if self._runner is not None:
             self._runner.close()
         self._states.clear()
+        self._prompt_buffers.clear()
         self._stores = None
         self.warmups.clear()
 
@@ -205,7 +212,9 @@ class Decoder:
         state = self.state(bucket)
         filtered = needs_filtering(params)
         if self.use_graphs:
+            # Captured before the prefill is timed (a first use's capture is not its prefill).
             self.prepare(bucket, filtered=filtered)
+            self._prefill_graph_key(state, prompts)
         yield from self._rounds(bucket, filtered, state, prompts, params, num_real, stats)
 
     @torch.inference_mode()
@@ -228,16 +237,68 @@ class Decoder:
         stats.per_request.extend(tracker.request_stats())
 
     def _prefill(self, state, prompts, params) -> torch.Tensor:
-        return prefill(
+        """Prefill a batch into its bucket's state; returns the report. With CUDA graphs a
+        prefill that fits `prefill_graph_tokens` replays the graph of its (bucket, padded
+        length)."""
+        key = self._prefill_graph_key(state, prompts)
+        if key is None:
+            return prefill(
+                self.target,
+                self._head_for(len(prompts)),
+                state,
+                prompts,
+                params,
+                self.eos_token_ids,
+                target_forward=self._prefill_target,
+                draft_forward=self._prefill_draft,
+            )
+        reset_requests(state, params, self.eos_token_ids, vocab_size=self.target.config.vocab_size)
+        _, bucket, length = key
+        tokens, lengths = self._prompt_buffers[bucket, length]
+        host_tokens, host_lengths = padded_prompts(prompts, length=length, pinned=True)
+        tokens.copy_(host_tokens, non_blocking=True)
+        lengths.copy_(host_lengths, non_blocking=True)
+        return self._runner.replay(key)
+
+    def _prefill_graph_key(self, state: SpecState, prompts) -> tuple[str, int, int] | None:
+        """The key of the prefill graph for this batch (captured now if it is new), or None
+        when its prefill runs without one."""
+        bucket = len(prompts)
+        length = prefill_graph_length(max(map(len, prompts)), max_seq_len=self.config.max_seq_len)
+        if self._runner is None or bucket * length > self.config.prefill_graph_tokens:
+            return None
+        key = ("prefill", bucket, length)
+        if key not in self._runner:
+            self._capture_prefill(key, state)
+        return key
+
+    def _head_for(self, bucket: int) -> DraftHead | None:
+        return self.head if self.tree_for(bucket) is not None else None
+
+    def _capture_prefill(self, key: tuple[str, int, int], state: SpecState) -> None:
+        """Capture the prefill forwards over static prompt buffers of the key's (bucket,
+        length): full-length zero prompts during the warm-up (whose effects on the state the
+        next prefill resets)."""
+        _, bucket, length = key
+        tokens = torch.zeros(bucket, length, dtype=torch.int64, device=self.device)
+        lengths = torch.full((bucket,), length, dtype=torch.int64, device=self.device)
+        self._prompt_buffers[bucket, length] = tokens, lengths
+        step = functools.partial(
+            prefill_forwards,
             self.target,
-            self.head if self.tree_for(state.root.shape[0]) else None,
+            self._head_for(bucket),
             state,
-            prompts,
-            params,
-            self.eos_token_ids,
+            tokens,
+            lengths,
             target_forward=self._prefill_target,
             draft_forward=self._prefill_draft,
         )
+        self._runner.capture(key, step)
+
+    @property
+    def prefill_graphs(self) -> list[tuple[int, int]]:
+        """The (bucket, padded prompt length) pairs whose prefill graphs are captured."""
+        return sorted(self._prompt_buffers)
 
     def round_runner(self, bucket: int, *, filtered: bool = False) -> Callable[[], torch.Tensor]:
         """A zero-argument call that runs one round of the bucket over its state (replaying

@@ -44,6 +44,8 @@ from .sampling import SamplingTensors, sample, target_probs
 # of their ancestor bitmasks (>= 2): no dynamic size is 0 or 1, so none is specialised.
 _MIN_PREFILL_TOKENS = 3
 _MIN_MASK_WORDS = 2
+# The shortest prompt length a prefill graph is captured for (see prefill_graph_length).
+_MIN_GRAPH_PREFILL_TOKENS = 16
 
 
 def state_capacity(prompt_length: int, max_new_tokens: int, depth: int) -> int:
@@ -141,8 +143,46 @@ def prefill(
     the root token as the one token emitted).
     """
     device = state.root.device
-    tokens, lengths = _prompt_tensors(prompts, device)
-    _reset(state, params, eos_token_ids, vocab_size=target.config.vocab_size)
+    reset_requests(state, params, eos_token_ids, vocab_size=target.config.vocab_size)
+    tokens, lengths = (
+        x.to(device, non_blocking=True)
+        for x in padded_prompts(prompts, pinned=device.type == "cuda")
+    )
+    return prefill_forwards(
+        target,
+        head,
+        state,
+        tokens,
+        lengths,
+        target_forward=target_forward,
+        draft_forward=draft_forward,
+    )
+
+
+def prefill_forwards(
+    target: Llama,
+    head: DraftHead | None,
+    state: SpecState,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    target_forward: Callable | None = None,
+    draft_forward: Callable | None = None,
+) -> torch.Tensor:
+    """The device side of a prefill, after `reset_requests`: empty caches and outputs, the
+    prompt forwards, the root token and the draft's pending pair. Only device tensors, no
+    host synchronisation and no branching on values, so it can be captured as a CUDA graph;
+    running it again over the same inputs rebuilds the same state (but for the sampled root).
+
+    Args:
+        tokens: [B, T] int64 right-padded prompts (T >= 3); padding is never attended to.
+        lengths: [B] int64 prompt lengths (1 <= length <= T).
+    Returns the prefill's report [B, 5] int64 (ReportColumns).
+    """
+    device = tokens.device
+    state.num_output.zero_()
+    state.finish.fill_(FINISH_NONE)
+    state.target.lengths.zero_()
     positions = _positions(*tokens.shape, device)
     attn = _empty_cache_inputs(state.target, _prompt_ancestors(*tokens.shape, device))
     out = (target_forward or target)(tokens, positions, attn)
@@ -151,6 +191,7 @@ def prefill(
     last = out.hidden[rows, lengths - 1]
     state.root.copy_(sample(target_probs(target.logits(last), state.sampling)))
     if head is not None:
+        state.draft.lengths.zero_()
         features = head.target_features(out)
         _prefill_draft(draft_forward or head, state, tokens, features, lengths)
     was_done = state.max_new == 0
@@ -158,30 +199,44 @@ def prefill(
     return round_report(state, state.root[:, None], num_emitted, torch.zeros_like(lengths))
 
 
-def _prompt_tensors(
-    prompts: Sequence[Sequence[int]], device: torch.device
+def padded_prompts(
+    prompts: Sequence[Sequence[int]], *, length: int | None = None, pinned: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded tokens [B, T] (T >= _MIN_PREFILL_TOKENS) and lengths [B], copied from
-    pinned memory without a sync."""
-    length = max(_MIN_PREFILL_TOKENS, *map(len, prompts))
+    """Host tensors: prompts right-padded with zeros to `length` columns (default the longest
+    prompt, at least _MIN_PREFILL_TOKENS) [B, T] int64 and their lengths [B] int64; in
+    pinned memory if `pinned` (for copies to the device that do not synchronise)."""
+    longest = max(map(len, prompts))
+    length = max(_MIN_PREFILL_TOKENS, longest) if length is None else length
+    assert length >= max(_MIN_PREFILL_TOKENS, longest), (length, longest)
     tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
     for slot, prompt in enumerate(prompts):
         tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-    if device.type == "cuda":
-        tokens, lengths = tokens.pin_memory(), lengths.pin_memory()
-    return tokens.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
+    if pinned:
+        return tokens.pin_memory(), lengths.pin_memory()
+    return tokens, lengths
 
 
-def _reset(
+def prefill_graph_length(num_tokens: int, *, max_seq_len: int) -> int:
+    """The prompt length a prefill graph is captured for: the smallest of 16, 24, 32, 48,
+    64, 96, ... (2^k and 1.5 * 2^k: at most a third of a graph's columns are padding) that
+    holds `num_tokens`, capped at max_seq_len (the KV capacity the padded columns are
+    written into)."""
+    length = _MIN_GRAPH_PREFILL_TOKENS
+    while length < num_tokens:
+        length = length * 3 // 2 if length & (length - 1) == 0 else length * 4 // 3
+    return min(length, max_seq_len)
+
+
+def reset_requests(
     state: SpecState,
     params: Sequence[SamplingParams],
     eos_token_ids: Sequence[int],
     *,
     vocab_size: int,
 ) -> None:
-    """Every per-slot field back to a fresh request's values (the KV contents are left:
-    lengths say what is valid)."""
+    """Copy a fresh batch's per-slot request fields (sampling, limits, stop tokens) into
+    `state`, without synchronising; `prefill_forwards` resets the rest."""
     device = state.root.device
     fresh = SamplingTensors.from_params(params, "cpu")
     max_new = torch.tensor([p.max_new_tokens for p in params], dtype=torch.int64)
@@ -194,11 +249,6 @@ def _reset(
         (state.stop_mask, stop_mask(params, eos_token_ids, vocab_size=vocab_size, device="cpu")),
     ):
         buffer.copy_(value.pin_memory() if device.type == "cuda" else value, non_blocking=True)
-    state.num_output.zero_()
-    state.target.lengths.zero_()
-    state.finish.fill_(FINISH_NONE)
-    if state.draft is not None:
-        state.draft.lengths.zero_()
 
 
 def _prefill_draft(

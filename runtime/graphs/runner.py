@@ -64,9 +64,24 @@ class CudaGraphRunner:
         """Warm up `step`, capture it under `key` and return the capture (outputs included).
 
         The warm-up calls run the step for real: the caller puts its buffers in a state where
-        that is harmless (and resets them before real use)."""
+        that is harmless (and resets them before real use). The device's default RNG is left
+        as it was found: a seeded request that triggers a capture samples what it would have
+        sampled with the graph already captured."""
         if key in self.graphs:
             raise ValueError(f"a graph is already captured under {key!r}")
+        with torch.random.fork_rng(devices=[self.device], device_type="cuda"):
+            captured = self._warm_up_and_capture(step)
+        self.graphs[key] = captured
+        logger.info(
+            "captured %r: warm-up %.2f s, capture %.2f s, +%.1f MiB",
+            key,
+            captured.warmup_seconds,
+            captured.capture_seconds,
+            captured.pool_bytes / 2**20,
+        )
+        return captured
+
+    def _warm_up_and_capture(self, step: Callable[[], Any]) -> CapturedGraph:
         started = time.perf_counter()
         self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.capture_stream):
@@ -82,22 +97,13 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             outputs = step()
         torch.cuda.synchronize(self.device)
-        captured = CapturedGraph(
+        return CapturedGraph(
             graph=graph,
             outputs=outputs,
             warmup_seconds=warmed - started,
             capture_seconds=time.perf_counter() - warmed,
             pool_bytes=torch.cuda.memory_reserved(self.device) - reserved,
         )
-        self.graphs[key] = captured
-        logger.info(
-            "captured %r: warm-up %.2f s, capture %.2f s, +%.1f MiB",
-            key,
-            captured.warmup_seconds,
-            captured.capture_seconds,
-            captured.pool_bytes / 2**20,
-        )
-        return captured
 
     def replay(self, key: Hashable) -> Any:
         """Replay the graph under `key` on the current stream; returns its static outputs

@@ -82,3 +82,39 @@ def test_no_host_sync_inside_the_decoding_loop_and_seeds_reproduce():
     assert again == first
     assert other != first
     assert all(len(tokens) == 30 for tokens in first)
+
+
+def test_prefill_graphs_per_padded_length_decode_what_eager_prefills_decode():
+    """Prefills replay graphs captured per (bucket, padded length) up to prefill_graph_tokens
+    and run the compiled forwards past it; both decode what eager decoding does."""
+    target, head = _models("eagle3")
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    graphs = Decoder(target, head, _config(compile=True, cuda_graphs=True, prefill_graph_tokens=64))
+    eager = Decoder(target, head, _config(compile=False, cuda_graphs=False))
+    batches = [[[3] * 5], [[4] * 20], [[5] * 40], [[6] * 70], [[7] * 20, [8] * 3], [[9] * 20] * 3]
+    with torch.inference_mode():
+        graphs.warmup()  # captures the 16-token prefill of every bucket
+        for prompts in batches:
+            prompts = [
+                [(t + 13 * j) % 200 + 1 for j in range(len(p))] for t, p in enumerate(prompts)
+            ]
+            assert _decode(graphs, prompts, params) == _decode(eager, prompts, params)
+    # 70 tokens pad to 96 (> 64 tokens: compiled forwards); 3 x 20 pads to 4 x 24 (96 > 64).
+    assert graphs.prefill_graphs == [(1, 16), (1, 24), (1, 48), (2, 16), (2, 24), (4, 16)]
+    graphs.close()
+
+
+def test_a_seeded_request_that_captures_a_prefill_graph_reproduces():
+    """Capturing (its warm-up runs sample) leaves the seeded RNG alone."""
+    target, head = _models("eagle3")
+    decoder = Decoder(target, head, _config(compile=True, cuda_graphs=True, buckets=(1,)))
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=5, ignore_eos=True)
+    prompts = [list(range(1, 31))]
+    with torch.inference_mode():
+        decoder.warmup()
+        assert decoder.prefill_graphs == [(1, 16)]
+        first = _decode(decoder, prompts, params)
+        assert decoder.prefill_graphs == [(1, 16), (1, 48)]
+        again = _decode(decoder, prompts, params)
+    assert again == first
+    decoder.close()
