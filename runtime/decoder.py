@@ -275,6 +275,7 @@ class Decoder:
     def _head_for(self, bucket: int) -> DraftHead | None:
         return self.head if self.tree_for(bucket) is not None else None
 
+    @torch.inference_mode()
     def _capture_prefill(self, key: tuple[str, int, int], state: SpecState) -> None:
         """Capture the prefill forwards over static prompt buffers of the key's (bucket,
         length): full-length zero prompts during the warm-up (whose effects on the state the
