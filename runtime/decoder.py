@@ -141,15 +141,22 @@ class Decoder:
         filtered: bool = False,
         progress: bool = False,
         buckets: Sequence[int] | None = None,
+        prompt_lengths: Sequence[int] = (),
     ) -> dict[tuple[int, bool], BucketWarmup]:
         """Compile (and on CUDA capture) every bucket (or only `buckets`, a subset of the
         config's), largest first; `filtered` also prepares the top-k/top-p variant (otherwise
-        prepared when first needed). Idempotent."""
+        prepared when first needed); with CUDA graphs, `prompt_lengths` (tokens) also
+        captures the prefill graphs prompts that long need in those buckets (otherwise
+        captured on first use). Idempotent."""
         chosen = self.config.buckets if buckets is None else sorted(buckets)
         variants = [(b, f) for b in reversed(chosen) for f in {False, filtered}]
         todo = [key for key in variants if key not in self.warmups]
         for bucket, variant in tqdm(todo, desc="warm-up", unit="graph", disable=not progress):
             self.prepare(bucket, filtered=variant)
+        if self.use_graphs:
+            for bucket in reversed(chosen):
+                for num_tokens in sorted(set(prompt_lengths), reverse=True):
+                    self._prefill_graph_key(self.state(bucket), num_tokens)
         return dict(self.warmups)
 
     @torch.inference_mode()
@@ -214,7 +221,7 @@ class Decoder:
         if self.use_graphs:
             # Captured before the prefill is timed (a first use's capture is not its prefill).
             self.prepare(bucket, filtered=filtered)
-            self._prefill_graph_key(state, prompts)
+            self._prefill_graph_key(state, max(map(len, prompts)))
         yield from self._rounds(bucket, filtered, state, prompts, params, num_real, stats)
 
     @torch.inference_mode()
@@ -240,7 +247,7 @@ class Decoder:
         """Prefill a batch into its bucket's state; returns the report. With CUDA graphs a
         prefill that fits `prefill_graph_tokens` replays the graph of its (bucket, padded
         length)."""
-        key = self._prefill_graph_key(state, prompts)
+        key = self._prefill_graph_key(state, max(map(len, prompts)))
         if key is None:
             return prefill(
                 self.target,
@@ -260,11 +267,11 @@ class Decoder:
         lengths.copy_(host_lengths, non_blocking=True)
         return self._runner.replay(key)
 
-    def _prefill_graph_key(self, state: SpecState, prompts) -> tuple[str, int, int] | None:
-        """The key of the prefill graph for this batch (captured now if it is new), or None
-        when its prefill runs without one."""
-        bucket = len(prompts)
-        length = prefill_graph_length(max(map(len, prompts)), max_seq_len=self.config.max_seq_len)
+    def _prefill_graph_key(self, state: SpecState, num_tokens: int) -> tuple[str, int, int] | None:
+        """The key of the prefill graph for prompts of at most `num_tokens` in the state's
+        bucket (captured now if it is new), or None when such a prefill runs without one."""
+        bucket = state.root.shape[0]
+        length = prefill_graph_length(num_tokens, max_seq_len=self.config.max_seq_len)
         if self._runner is None or bucket * length > self.config.prefill_graph_tokens:
             return None
         key = ("prefill", bucket, length)

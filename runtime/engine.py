@@ -123,12 +123,16 @@ class Engine:
         return engine
 
     def warmup(
-        self, *, filtered: bool = False, progress: bool = True
+        self, *, filtered: bool = False, progress: bool = True, prompt_lengths: Sequence[int] = ()
     ) -> dict[tuple[int, bool], BucketWarmup]:
         """Compile and (on CUDA) capture every bucket's round, largest first; idempotent.
-        `filtered` also prepares the top-k/top-p variants. Returns what each (bucket,
-        filtered) graph cost. Without it, a graph is prepared the first time it is used."""
-        return self.decoder.warmup(filtered=filtered, progress=progress)
+        `filtered` also prepares the top-k/top-p variants; `prompt_lengths` (in tokens, see
+        `encode_prompt`) also captures the prefill graphs such prompts need. Returns what
+        each (bucket, filtered) graph cost. Without it, a graph is prepared the first time it
+        is used."""
+        return self.decoder.warmup(
+            filtered=filtered, progress=progress, prompt_lengths=prompt_lengths
+        )
 
     def stats(self) -> EngineStats:
         """A snapshot of the running totals."""

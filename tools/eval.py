@@ -75,8 +75,11 @@ def evaluate_point(
         ignore_eos=args.ignore_eos,
         seed=args.seed,
     )
-    # One untimed request each first, so lazy initialisation is not charged to either side.
+    # Graphs (the rounds', and on CUDA the prefills' of every prompt length) and one untimed
+    # request each first, so lazy initialisation is not charged to either side.
+    prompt_lengths = [len(spec.encode_prompt(prompt)) for prompt in prompts]
     for engine in (spec, plain):
+        engine.warmup(progress=False, prompt_lengths=prompt_lengths)
         engine.generate(prompts[0], _warmup_params(params))
     spec_before, plain_before = spec.stats(), plain.stats()
     for prompt in tqdm(prompts, desc=f"temperature {temperature:g}", unit="prompt"):

@@ -93,7 +93,8 @@ def test_prefill_graphs_per_padded_length_decode_what_eager_prefills_decode():
     eager = Decoder(target, head, _config(compile=False, cuda_graphs=False))
     batches = [[[3] * 5], [[4] * 20], [[5] * 40], [[6] * 70], [[7] * 20, [8] * 3], [[9] * 20] * 3]
     with torch.inference_mode():
-        graphs.warmup()  # captures the 16-token prefill of every bucket
+        graphs.warmup(prompt_lengths=[20])  # 16 tokens (every bucket's warm-up) and 24
+        assert graphs.prefill_graphs == [(1, 16), (1, 24), (2, 16), (2, 24), (4, 16)]
         for prompts in batches:
             prompts = [
                 [(t + 13 * j) % 200 + 1 for j in range(len(p))] for t, p in enumerate(prompts)
