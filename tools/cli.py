@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "init-draft",
     "train-draft",
     "eval",
+    "eval-plot",
     "convert",
     "bench",
     "export-onnx",

@@ -1,16 +1,19 @@
 """`specrun eval`: how well a draft head speculates for its model.
 
-For each temperature: every prompt is decoded alone (batch 1) twice with the same engine
-settings, once speculatively with the head and once plainly (no head), and reported as one
-JSON line: mean accepted length (tokens per round), the histogram of accepted draft tokens
-per round, tokens/s of both and the speed-up, and where each side's time went (prefill, rounds
-on the GPU, the rest). A table follows on stdout.
+For each tree shape and temperature: every prompt is decoded alone (batch 1) speculatively
+with the head, and compared with plain decoding of the same prompts (no head, measured once per
+temperature with the same engine settings). Each point is one JSON line: mean accepted length
+(tokens per round), the histogram of accepted draft tokens per round, tokens/s of both and the
+speed-up, and where each side's time went (prefill, rounds on the GPU, the rest). A table
+follows on stdout; `--plot` also draws the histograms and the accepted length by tree shape
+(tools/eval_plot.py).
 Prompts are JSON lines {"prompt": text} or {"prompt_ids": [ids]}.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,6 +22,8 @@ from tqdm.auto import tqdm
 from ..runtime.config import EngineConfig, SamplingParams
 from ..runtime.distill.data import read_prompts
 from ..runtime.engine import Engine, EngineStats
+from ..runtime.tree import TreeShape
+from .eval_plot import check_plotting, plot_records
 from .generate import add_tree_arguments, tree_shape
 
 
@@ -30,67 +35,125 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     add_tree_arguments(parser)
+    parser.add_argument(
+        "--trees",
+        type=parse_tree_shape,
+        nargs="+",
+        default=None,
+        metavar="D,K,N",
+        help="evaluate several tree shapes (instead of --depth/--topk/--nodes)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate the maximum")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", default=None, help="also write the JSON lines to this file")
+    parser.add_argument("--plot", default=None, help="also draw the results into this PNG")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.set_defaults(func=run)
 
 
+def parse_tree_shape(text: str) -> TreeShape:
+    """'D,K,N' -> TreeShape(D, K, N) (argparse reports a ValueError as a bad value)."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"a tree is DEPTH,TOPK,NODES (e.g. 5,8,32), not {text!r}")
+    depth, topk, num_nodes = map(int, parts)
+    try:
+        return TreeShape(depth=depth, topk=topk, num_nodes=num_nodes)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    shapes = _tree_shapes(args)
+    if args.plot:
+        check_plotting()
     prompts = read_prompts(args.prompts)[: args.max_prompts]
     config = EngineConfig(
         device=args.device,
         dtype=args.dtype,
         chat_template=not args.raw,
         buckets=(1,),
-        trees={1: tree_shape(args)},
+        trees={1: shapes[0]},
     )
-    spec = Engine.from_pretrained(args.model, draft=args.draft, config=config)
-    plain = Engine(spec.model, spec.tokenizer, spec.config)
-    records = [evaluate_point(spec, plain, prompts, args, temperature=t) for t in args.temperatures]
+    first = Engine.from_pretrained(args.model, draft=args.draft, config=config)
+    model, tokenizer, head = first.model, first.tokenizer, first.head  # close() drops them
+    plain = Engine(model, tokenizer, config)
+    baselines = {t: measure(plain, prompts, _params(args, t)) for t in args.temperatures}
+    plain.close()
+    records = []
+    for shape in shapes:
+        spec = first
+        if shape != shapes[0]:
+            spec = Engine(
+                model, tokenizer, dataclasses.replace(config, trees={1: shape}), head=head
+            )
+        for temperature in args.temperatures:
+            spec_stats = measure(spec, prompts, _params(args, temperature))
+            records.append(
+                point_record(shape, temperature, spec_stats, baselines[temperature], len(prompts))
+            )
+        spec.close()
     lines = [json.dumps(record) for record in records]
     for line in lines:
         print(line)
     if args.json:
         Path(args.json).write_text("".join(line + "\n" for line in lines))
+    if args.plot:
+        plot_records(records, args.plot)
     print(format_table(records))
-    spec.close()
-    plain.close()
     return 0
 
 
-def evaluate_point(
-    spec: Engine, plain: Engine, prompts: list, args: argparse.Namespace, *, temperature: float
-) -> dict:
-    """Speculative (`spec`, with a head) and plain decoding of every prompt at one
-    temperature, batch 1. The engines are reused across temperatures, so each compiles and
-    captures its round once."""
-    params = SamplingParams(
+def _tree_shapes(args: argparse.Namespace) -> list[TreeShape]:
+    if args.trees is None:
+        return [tree_shape(args)]
+    if any(getattr(args, name) is not None for name in ("depth", "topk", "nodes")):
+        raise ValueError("give either --trees or --depth/--topk/--nodes, not both")
+    return list(dict.fromkeys(args.trees))
+
+
+def _params(args: argparse.Namespace, temperature: float) -> SamplingParams:
+    return SamplingParams(
         temperature=temperature,
         max_new_tokens=args.max_new_tokens,
         ignore_eos=args.ignore_eos,
         seed=args.seed,
     )
-    # Graphs (the rounds', and on CUDA the prefills' of every prompt length) and one untimed
-    # request each first, so lazy initialisation is not charged to either side.
-    prompt_lengths = [len(spec.encode_prompt(prompt)) for prompt in prompts]
-    for engine in (spec, plain):
-        engine.warmup(progress=False, prompt_lengths=prompt_lengths)
-        engine.generate(prompts[0], _warmup_params(params))
-    spec_before, plain_before = spec.stats(), plain.stats()
-    for prompt in tqdm(prompts, desc=f"temperature {temperature:g}", unit="prompt"):
-        spec.generate(prompt, params)
-        plain.generate(prompt, params)
-    spec_stats = _since(spec_before, spec.stats())
-    plain_stats = _since(plain_before, plain.stats())
-    shape = spec.config.tree_for(1)
+
+
+def measure(engine: Engine, prompts: list, params: SamplingParams) -> EngineStats:
+    """Decode every prompt alone (batch 1); returns the statistics of those requests only.
+    The graphs (the rounds', and on CUDA the prefills' of every prompt length) are prepared
+    and one untimed request is made first, so lazy initialisation is not charged to it."""
+    prompt_lengths = [len(engine.encode_prompt(prompt)) for prompt in prompts]
+    engine.warmup(progress=False, prompt_lengths=prompt_lengths)
+    engine.generate(prompts[0], _warmup_params(params))
+    before = engine.stats()
+    side = "plain" if engine.head is None else "tree {},{},{}".format(*_shape_of(engine))
+    for prompt in tqdm(prompts, desc=f"{side} T={params.temperature:g}", unit="prompt"):
+        engine.generate(prompt, params)
+    return _since(before, engine.stats())
+
+
+def _shape_of(engine: Engine) -> tuple[int, int, int]:
+    shape = engine.config.tree_for(1)
+    return shape.depth, shape.topk, shape.num_nodes
+
+
+def point_record(
+    shape: TreeShape,
+    temperature: float,
+    spec_stats: EngineStats,
+    plain_stats: EngineStats,
+    num_prompts: int,
+) -> dict:
+    """One JSON line: a tree shape at a temperature against plain decoding."""
     record = {
         "temperature": temperature,
-        "num_prompts": len(prompts),
+        "num_prompts": num_prompts,
         "depth": shape.depth,
         "topk": shape.topk,
         "nodes": shape.num_nodes,
@@ -150,17 +213,18 @@ def time_breakdown(stats: EngineStats, *, prefix: str = "") -> dict:
 
 
 def format_table(records: list[dict]) -> str:
-    """One row per temperature: accepted length, tokens/s with and without the head (wall
-    time, prefills included), the mean round and plain step, and the speed-up of the rounds
-    alone."""
+    """One row per tree shape and temperature: accepted length, tokens/s with and without the
+    head (wall time, prefills included), the mean round and plain step, and the speed-up of
+    the rounds alone."""
     header = (
-        f"{'temp':>6} {'accept len':>10} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8} "
-        f"{'round ms':>9} {'step ms':>8} {'decode speedup':>15}"
+        f"{'tree':>9} {'temp':>6} {'accept len':>10} {'spec tok/s':>11} {'plain tok/s':>12} "
+        f"{'speedup':>8} {'round ms':>9} {'step ms':>8} {'decode speedup':>15}"
     )
     rows = [header, "-" * len(header)]
     for r in records:
+        tree = f"{r['depth']},{r['topk']},{r['nodes']}"
         rows.append(
-            f"{r['temperature']:>6.2f} {r['mean_accepted_length']:>10.2f} "
+            f"{tree:>9} {r['temperature']:>6.2f} {r['mean_accepted_length']:>10.2f} "
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
             f"{r['speedup']:>7.2f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
             f"{r['decode_speedup']:>14.2f}x"

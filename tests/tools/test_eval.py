@@ -72,6 +72,42 @@ def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, ca
     assert "accept len" in out and out.count('"temperature"') == 2
 
 
+def test_eval_compares_tree_shapes_and_plots_them(model_dir, prompts_file, tmp_path, capsys):
+    target = random_llama(tiny_config(), seed=0)
+    draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
+    json_path, png = tmp_path / "eval.jsonl", tmp_path / "eval.png"
+    argv = ["eval", "--model", str(model_dir), "--draft", str(draft_dir), "--prompts"]
+    argv += [str(prompts_file), "--temperatures", "0", "1", "--max-new-tokens", "6"]
+    argv += ["--trees", "3,2,5", "2,1,3", "--ignore-eos", "--json", str(json_path)]
+    argv += ["--plot", str(png), "--device", "cpu", "--dtype", "float32"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in json_path.read_text().splitlines()]
+    points = [(r["depth"], r["topk"], r["nodes"], r["temperature"]) for r in records]
+    assert points == [(3, 2, 5, 0.0), (3, 2, 5, 1.0), (2, 1, 3, 0.0), (2, 1, 3, 1.0)]
+    assert [len(r["accepted_histogram"]) for r in records] == [4, 4, 3, 3]
+    # One plain baseline per temperature, shared by every shape.
+    for first, second in ((0, 2), (1, 3)):
+        assert records[first]["baseline_wall_seconds"] == records[second]["baseline_wall_seconds"]
+    assert "    3,2,5" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = tmp_path / "again.png"
+    assert main(["eval-plot", str(json_path), "--out", str(again)]) == 0
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("trees", [["5,8"], ["5,8,x"], ["5,0,8"], ["2,1,9"]])
+def test_eval_refuses_a_malformed_tree(trees, capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--draft", "d", "--prompts", "p", "--trees", *trees])
+    assert "--trees" in capsys.readouterr().err
+
+
+def test_eval_refuses_trees_with_a_single_shape(capsys):
+    argv = ["eval", "--draft", "d", "--prompts", "p", "--trees", "5,8,32", "--depth", "4"]
+    assert main(argv) == 2
+    assert "either --trees or --depth" in capsys.readouterr().err
+
+
 def test_train_draft_writes_a_head_the_engine_loads(model_dir, prompts_file, tmp_path, capsys):
     out = tmp_path / "trained"
     argv = ["train-draft", "--model", str(model_dir), "--out", str(out), "--prompts"]
