@@ -38,7 +38,7 @@ from .draft import PendingPairs
 from .kv_cache import KVCache
 from .requests import stop_mask
 from .round import FINISH_NONE, SpecState, emit, round_report
-from .sampling import SamplingTensors, sample, target_probs
+from .sampling import SamplingTensors, draw_tokens
 
 # Prompt columns the forwards see at least (target T >= 3, draft T - 1 >= 2) and int64 words
 # of their ancestor bitmasks (>= 2): no dynamic size is 0 or 1, so none is specialised.
@@ -189,7 +189,7 @@ def prefill_forwards(
     state.target.append(out.k_new, out.v_new, lengths)
     rows = torch.arange(tokens.shape[0], device=device)
     last = out.hidden[rows, lengths - 1]
-    state.root.copy_(sample(target_probs(target.logits(last), state.sampling)))
+    state.root.copy_(draw_tokens(target.logits(last), state.sampling))
     if head is not None:
         state.draft.lengths.zero_()
         features = head.target_features(out)

@@ -23,7 +23,7 @@ from .requests import (
     seeded_generator,
     stop_mask,
 )
-from .sampling import SamplingTensors, sample, target_probs
+from .sampling import SamplingTensors, draw_tokens
 
 
 def reference_generate(
@@ -110,7 +110,7 @@ def _prefill(
     out = model(tokens, positions, cache.attention_inputs(chain_ancestors(batch, length, device)))
     cache.append(out.k_new, out.v_new, lengths)
     last_hidden = out.hidden[torch.arange(batch, device=device), lengths - 1]
-    return sample(target_probs(model.logits(last_hidden), sampling), generator)
+    return draw_tokens(model.logits(last_hidden), sampling, generator)
 
 
 def _decode_step(
@@ -124,7 +124,7 @@ def _decode_step(
     anc = chain_ancestors(batch, 1, token.device)
     out = model(token[:, None], cache.lengths[:, None], cache.attention_inputs(anc))
     cache.append(out.k_new, out.v_new, torch.ones_like(cache.lengths))
-    return sample(target_probs(model.logits(out.hidden[:, 0]), sampling), generator)
+    return draw_tokens(model.logits(out.hidden[:, 0]), sampling, generator)
 
 
 def _step_report(

@@ -22,9 +22,9 @@ from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from .draft import PendingPairs, draft_static_tree, draft_tree
 from .kv_cache import KVCache
-from .sampling import SamplingTensors, sample, target_probs
+from .sampling import SamplingTensors, draw_tokens
 from .tree import StaticTree, Tree, TreeShape
-from .verify import Acceptance, accept, target_tokens
+from .verify import Acceptance, accept
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 
@@ -100,8 +100,9 @@ def verify_phase(
         state.target.lengths[:, None] + tree.depth,
         state.target.attention_inputs(tree.anc),
     )
-    probs = target_probs(target.logits(out.hidden), state.sampling)
-    acceptance = accept(tree, target_tokens(probs), depth=depth)
+    # One draw from the target at every node; each is used at most once along the path.
+    drawn = draw_tokens(target.logits(out.hidden), state.sampling)
+    acceptance = accept(tree, drawn, depth=depth)
     was_done = state.done.clone()
     _commit_target(state, out.k_new, out.v_new, acceptance, was_done)
     emitted = _emitted_tokens(tree, acceptance)
@@ -126,7 +127,7 @@ def decode_round(target: Llama, state: SpecState) -> torch.Tensor:
     )
     was_done = state.done.clone()
     state.target.append(out.k_new, out.v_new, (~was_done).long())
-    token = sample(target_probs(target.logits(out.hidden[:, 0]), state.sampling))
+    token = draw_tokens(target.logits(out.hidden[:, 0]), state.sampling)
     num_emitted = emit(state, token[:, None], torch.ones_like(token), was_done)
     state.root.copy_(token)
     return round_report(state, token[:, None], num_emitted, torch.zeros_like(token))

@@ -47,6 +47,34 @@ def needs_filtering(params: Sequence[SamplingParams]) -> bool:
     return any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy)
 
 
+def draw_tokens(
+    logits: torch.Tensor, sampling: SamplingTensors, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """One draw per row from the distribution `target_probs` gives, without materialising it.
+
+    Without top-k / top-p this is the Gumbel-max form of `sample`'s exponential race,
+    argmax(logits / T - log E) with E ~ Exp(1): the same ordering as argmax(p / E), since
+    log p = logits / T - logsumexp, but one pass over the vocabulary instead of the four a
+    softmax, its one-hot and the race take (the largest reduction of a plain step). Greedy
+    rows take argmax(logits), as the one-hot does.
+
+    Args:
+        logits: [B, ..., V] any float dtype.
+        sampling: per-slot parameters, each [B].
+    Returns:
+        [B, ...] int64 token ids.
+    """
+    if sampling.filtered:
+        return sample(target_probs(logits, sampling), generator)
+    logits = logits.float()
+    temperature = sampling.temperature.view((-1,) + (1,) * (logits.dim() - 1))
+    greedy = temperature == 0
+    noise = torch.empty_like(logits).exponential_(1.0, generator=generator)
+    gumbel = -noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)
+    return torch.where(greedy, logits, scaled + gumbel).argmax(dim=-1)
+
+
 def target_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """The distribution a request samples from.
 

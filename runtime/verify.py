@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
 from .tree import Tree
 
 
@@ -29,23 +28,12 @@ class Acceptance:
     bonus: torch.Tensor
 
 
-def target_tokens(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw from the target at every tree node.
-
-    Args:
-        probs: [B, N, V] float32 target distributions (one-hot for greedy slots).
-    Returns:
-        [B, N] int64. Each node's draw is used at most once along the accepted path.
-    """
-    return sample(probs, generator)
-
-
 def accept(tree: Tree, drawn: torch.Tensor, *, depth: int) -> Acceptance:
     """Walk the tree from the root, following the child whose token the target drew.
 
     Args:
         tree: the round's tree ([B, N] tokens/parent/depth).
-        drawn: [B, N] int64 target draws per node (`target_tokens`).
+        drawn: [B, N] int64 target draws per node (`sampling.draw_tokens`).
         depth: D, the tree's maximum depth.
     """
     batch = drawn.shape[0]

@@ -7,8 +7,9 @@ import itertools
 import torch
 
 from goodness_of_fit import chi_square_p_value
+from specrun.runtime.sampling import sample
 from specrun.runtime.tree import StaticTree, Tree, ancestor_bitmask
-from specrun.runtime.verify import accept, target_tokens
+from specrun.runtime.verify import accept
 
 
 def _static_tree(tokens_per_node: list[int], paths, batch: int) -> Tree:
@@ -45,7 +46,7 @@ def test_sampling_emits_the_target_distribution():
     probs_per_node = torch.rand(len(TOKENS), vocab, generator=gen) ** 2
     probs_per_node /= probs_per_node.sum(-1, keepdim=True)
     tree = _static_tree(TOKENS, PATHS, batch)
-    drawn = target_tokens(probs_per_node.expand(batch, -1, -1).contiguous(), gen)
+    drawn = sample(probs_per_node.expand(batch, -1, -1).contiguous(), gen)
     result = accept(tree, drawn, depth=2)
     emitted = [
         (*(TOKENS[n] for n in path[1 : 1 + a]), bonus)

@@ -1,0 +1,75 @@
+"""`draw_tokens`: one pass over the logits draws what `sample(target_probs(...))` draws.
+
+Per slot: greedy rows give the argmax (the first on ties, as the one-hot does), sampled rows
+follow softmax(logits / T) (Pearson's chi-square over many draws), a batch mixes both, and
+with top-k / top-p on the draw goes through the filtered distribution.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from goodness_of_fit import chi_square_p_value
+from specrun.runtime.config import SamplingParams
+from specrun.runtime.sampling import SamplingTensors, draw_tokens, sample, target_probs
+
+VOCAB = 7
+NUM_DRAWS = 40_000
+
+
+def _sampling(*params: SamplingParams, rows: int = 1) -> SamplingTensors:
+    """Per-slot tensors of `params`, each repeated for `rows` consecutive slots."""
+    return SamplingTensors.from_params([p for p in params for _ in range(rows)], "cpu")
+
+
+def _p_value(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = dict(enumerate(torch.bincount(tokens, minlength=VOCAB).tolist()))
+    return chi_square_p_value(counts, dict(enumerate(probs.tolist())), tokens.numel())
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_sampled_rows_follow_the_tempered_softmax(temperature):
+    gen = torch.Generator().manual_seed(int(temperature * 10))
+    logits = torch.randn(VOCAB, generator=gen, dtype=torch.float64).to(torch.bfloat16) * 2
+    sampling = _sampling(SamplingParams(temperature=temperature), rows=NUM_DRAWS)
+    tokens = draw_tokens(logits.expand(NUM_DRAWS, VOCAB), sampling, gen)
+    assert tokens.shape == (NUM_DRAWS,) and tokens.dtype == torch.int64
+    want = torch.softmax(logits.double() / temperature, dim=-1)
+    assert _p_value(tokens, want) > 1e-4
+
+
+def test_greedy_rows_take_the_first_argmax_in_a_mixed_batch():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, VOCAB, generator=gen)
+    logits[0, :, 2] = logits[0, :, 5] = logits[0].max() + 1  # a tie: the first index wins
+    params = [SamplingParams(temperature=t) for t in (0.0, 1.0, 0.0, 0.7, 0.0, 2.0)]
+    sampling = SamplingTensors.from_params(params, "cpu")
+    tokens = draw_tokens(logits, sampling, gen)
+    assert tokens.shape == (6, 5)
+    greedy = torch.tensor([p.greedy for p in params])
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
+    assert (tokens[0] == 2).all()
+    assert torch.equal(tokens[greedy], sample(target_probs(logits, sampling), gen)[greedy])
+
+
+def test_the_sampled_rows_of_a_mixed_batch_follow_their_own_temperatures():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(VOCAB, generator=gen)
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=1.3)
+    sampling = _sampling(greedy, hot, rows=NUM_DRAWS)
+    tokens = draw_tokens(logits.expand(2 * NUM_DRAWS, VOCAB), sampling, gen)
+    assert (tokens[:NUM_DRAWS] == logits.argmax()).all()
+    assert _p_value(tokens[NUM_DRAWS:], torch.softmax(logits.double() / 1.3, -1)) > 1e-4
+
+
+def test_top_k_and_top_p_draw_from_the_filtered_distribution():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(VOCAB, generator=gen)
+    sampling = _sampling(SamplingParams(temperature=1.0, top_k=3, top_p=0.9), rows=NUM_DRAWS)
+    tokens = draw_tokens(logits.expand(NUM_DRAWS, VOCAB), sampling, gen)
+    want = target_probs(
+        logits[None], _sampling(SamplingParams(temperature=1.0, top_k=3, top_p=0.9))
+    )
+    assert int((want[0] > 0).sum()) <= 3
+    assert _p_value(tokens, want[0].double()) > 1e-4
