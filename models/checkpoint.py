@@ -210,7 +210,7 @@ def write_safetensors(
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, not {max_shard_bytes}")
-    plain = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    plain = {name: _owned_cpu_copy(t) for name, t in tensors.items()}
     for stale in [*out_dir.glob("model*.safetensors"), out_dir / WEIGHT_FILES[0]]:
         stale.unlink(missing_ok=True)
     shards = _plan_shards(plain, max_shard_bytes)
@@ -228,6 +228,15 @@ def write_safetensors(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / WEIGHT_FILES[0]).write_text(json.dumps(index, indent=2) + "\n")
     return [*paths, out_dir / WEIGHT_FILES[0]]
+
+
+def _owned_cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the CPU in storage of its own: safetensors refuses tensors that share
+    memory, as the parts of a fused projection's state dict do (views of one weight)."""
+    tensor = tensor.detach().to("cpu")
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.contiguous()
 
 
 def _plan_shards(tensors: Mapping[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:

@@ -247,10 +247,13 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """HF key -> shape of every tensor a checkpoint of `config` holds (tied lm_head left out)."""
     with torch.device("meta"):
         model = Llama(config)
+    buffers = {name for name, _ in model.named_buffers()}
     shapes = {}
-    for name, param in model.named_parameters():
+    for name, tensor in model.state_dict().items():  # state-dict names: fused parts apart
+        if name in buffers or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
         key = name if name.startswith("lm_head.") else f"model.{name}"
-        shapes[key] = tuple(param.shape)
+        shapes[key] = tuple(tensor.shape)
     return shapes
 
 

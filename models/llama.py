@@ -4,8 +4,9 @@ One forward over new tokens at given positions, attending to a committed static 
 the new tokens' own keys under an ancestor bitmask (a chain for prompts, a tree for
 verification). Returns the post-norm hidden state (the EAGLE-1 feature), the hidden states
 entering the EAGLE-3 tap layers and the new tokens' K/V, which the caller commits to the cache
-or keeps in a side buffer. Parameter names follow transformers' LlamaForCausalLM (minus the
-`model.` prefix), so HF checkpoints load without a key map.
+or keeps in a side buffer. State-dict names follow transformers' LlamaForCausalLM (minus the
+`model.` prefix), so HF checkpoints load without a key map: q/k/v and gate/up run as one GEMM
+each (FusedLinear) but are stored as the separate projections.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from .attention import tree_attention
 from .config import LlamaConfig
+from .fused_linear import FusedLinear, store_parts_separately
 
 
 def rope_inv_freq(config: LlamaConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -109,9 +111,11 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(in_features, config.num_heads * config.head_dim, bias=bias)
-        self.k_proj = nn.Linear(in_features, config.num_kv_heads * config.head_dim, bias=bias)
-        self.v_proj = nn.Linear(in_features, config.num_kv_heads * config.head_dim, bias=bias)
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.qkv_proj = FusedLinear(
+            in_features, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias=bias
+        )
+        store_parts_separately(self)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=bias)
 
     def forward(
@@ -123,9 +127,10 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, in]. Returns output [B, T, H] and this step's k, v: [B, Hkv, T, D]."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_tree, v_tree = k, v
         if attn.k_side is not None:
@@ -149,12 +154,13 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         dim, hidden, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.gate_up_proj = FusedLinear(dim, {"gate_proj": hidden, "up_proj": hidden}, bias=bias)
+        store_parts_separately(self)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

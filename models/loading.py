@@ -6,11 +6,11 @@ wrongly typed tensor, before any allocation), then tensors are read, converted t
 dtype/device and assigned one at a time. Non-persistent buffers are recomputed and tied
 weights re-tied last. File formats live in checkpoint.py.
 
-Key names:
+Key names (fused projections are stored as their parts, see fused_linear.py):
   target  HF LlamaForCausalLM: `model.` prefix stripped, `lm_head.weight` top level; a tied
           checkpoint may omit lm_head.weight (if present it is checked and ignored); stale
           `rotary_emb.inv_freq` buffers of old checkpoints are ignored.
-  drafts  the published names are the heads' parameter names (see eagle.py):
+  drafts  the published names are the heads' state-dict names (see eagle.py):
           EAGLE-1 (yuhuili cnets1): fc.{weight,bias}, layers.{i}.*;
           EAGLE-3 (yuhuili cnets / SpecForge LlamaForCausalLMEagle3): fc.weight, midlayer.*,
           norm.weight, lm_head.weight, d2t, t2d; SpecForge's training wrapper prefixes
@@ -40,6 +40,7 @@ from .checkpoint import (
 )
 from .config import DraftConfig, LlamaConfig
 from .eagle import DraftHead, Eagle3Head, build_draft
+from .fused_linear import part_slices
 from .llama import Llama
 
 logger = logging.getLogger(__name__)
@@ -192,11 +193,25 @@ def _materialise(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> None:
-    """Read, convert and assign each tensor of `names` (ours -> checkpoint's) in turn."""
+    """Read, convert and assign each tensor of `names` (ours -> checkpoint's) in turn; a part
+    of a fused projection (see models/fused_linear.py) is copied into its rows of the fused
+    parameter, allocated when its first part arrives."""
     ours_of = {theirs: ours for ours, theirs in names.items()}
+    fused_parts = part_slices(model)
     for theirs, tensor in checkpoint.tensors(names.values()):
         target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-        assign(model, ours_of[theirs], tensor.to(device=device, dtype=target_dtype))
+        tensor = tensor.to(device=device, dtype=target_dtype)
+        ours = ours_of[theirs]
+        if ours not in fused_parts:
+            assign(model, ours, tensor)
+            continue
+        fused_name, rows = fused_parts[ours]
+        fused = model.get_parameter(fused_name)
+        if fused.is_meta:
+            assign(model, fused_name, torch.empty(fused.shape, dtype=target_dtype, device=device))
+            fused = model.get_parameter(fused_name)
+        with torch.no_grad():
+            fused[rows].copy_(tensor)
 
 
 def assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
