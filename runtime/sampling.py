@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .config import SamplingParams
 
@@ -72,7 +73,19 @@ def draw_tokens(
     noise = torch.empty_like(logits).exponential_(1.0, generator=generator)
     gumbel = -noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)
-    return torch.where(greedy, logits, scaled + gumbel).argmax(dim=-1)
+    return _chunked_argmax(torch.where(greedy, logits, scaled + gumbel))
+
+
+def _chunked_argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """argmax over the last dim (the first index on ties, as `argmax`) in two reductions: per
+    chunk of `chunk` columns, then over the chunks' maxima. A row of a large vocabulary is
+    otherwise one reduction that Inductor gives a single thread block (and fuses with the
+    step's other reductions, so it never splits it): 38 us of a 1.2 ms step."""
+    size = x.shape[-1]
+    blocks = F.pad(x, (0, -size % chunk), value=float("-inf")).unflatten(-1, (-1, chunk))
+    block_max, block_argmax = blocks.max(dim=-1)
+    best_block = block_max.argmax(dim=-1, keepdim=True)
+    return (best_block * chunk + block_argmax.gather(-1, best_block)).squeeze(-1)
 
 
 def target_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:

@@ -73,3 +73,14 @@ def test_top_k_and_top_p_draw_from_the_filtered_distribution():
     )
     assert int((want[0] > 0).sum()) <= 3
     assert _p_value(tokens, want[0].double()) > 1e-4
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 1024, 1025, 3000])
+def test_greedy_draws_match_argmax_across_chunks(vocab):
+    """Rows longer than one 1024-column chunk, ties across chunks included."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=gen)
+    logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1
+    logits[2] = 0.5  # every column ties: the first wins
+    greedy = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 4, "cpu")
+    assert torch.equal(draw_tokens(logits, greedy, gen), logits.argmax(-1))
