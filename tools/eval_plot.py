@@ -2,7 +2,8 @@
 
 One PNG, two panels: left, the accepted-length histogram of every (tree shape, temperature)
 point as the fraction of rounds that accepted 0, 1, ... D draft tokens; right, the mean
-accepted length (tokens per round) by tree shape, one line per temperature, each point
+accepted length (tokens per round) by tree shape, one line per temperature (and per file, for
+`eval-plot` of several files), each point
 labelled with its end-to-end speed-up over plain decoding. matplotlib is optional
 (`pip install 'specrun[plot]'`); a GPU machine without it writes `--json` and the plot is
 drawn elsewhere with `specrun eval-plot FILE.jsonl --out FILE.png`.
@@ -27,7 +28,10 @@ def run(args: argparse.Namespace) -> int:
     records = []
     for path in args.results:
         text = Path(path).read_text()
-        records.extend(json.loads(line) for line in text.splitlines() if line.strip())
+        run_records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if len(args.results) > 1:  # tell the files' points apart
+            run_records = [{**record, "run": Path(path).stem} for record in run_records]
+        records.extend(run_records)
     if not records:
         raise ValueError(f"no eval records in {', '.join(args.results)}")
     plot_records(records, args.out)
@@ -48,6 +52,13 @@ def check_plotting() -> None:
 
 def tree_label(record: dict) -> str:
     return f"{record['depth']},{record['topk']},{record['nodes']}"
+
+
+def series_label(record: dict) -> str:
+    """The line a point belongs to: its temperature, and its file's name when several files
+    are drawn together (eval-plot sets `run`)."""
+    run = f"{record['run']}, " if "run" in record else ""
+    return f"{run}T={record['temperature']:g}"
 
 
 def plot_records(records: list[dict], path: str | Path) -> None:
@@ -71,7 +82,7 @@ def _draw_histograms(ax, records: list[dict]) -> None:
         counts = record["accepted_histogram"]
         total = max(sum(counts), 1)
         offsets = [k - 0.4 + (index + 0.5) * width for k in range(len(counts))]
-        label = f"tree {tree_label(record)}, T={record['temperature']:g}"
+        label = f"tree {tree_label(record)}, {series_label(record)}"
         ax.bar(offsets, [c / total for c in counts], width=width, label=label)
     ax.set_xticks(range(max(len(r["accepted_histogram"]) for r in records)))
     ax.set_xlabel("draft tokens accepted in a round")
@@ -81,12 +92,14 @@ def _draw_histograms(ax, records: list[dict]) -> None:
 
 
 def _draw_by_shape(ax, records: list[dict]) -> None:
-    shapes = list(dict.fromkeys(tree_label(r) for r in records))
-    for temperature in dict.fromkeys(r["temperature"] for r in records):
-        points = [r for r in records if r["temperature"] == temperature]
+    by_size = sorted({(r["depth"], r["topk"], r["nodes"]) for r in records})
+    shapes = [",".join(map(str, shape)) for shape in by_size]
+    for series in dict.fromkeys(series_label(r) for r in records):
+        points = [r for r in records if series_label(r) == series]
+        points.sort(key=lambda r: shapes.index(tree_label(r)))
         xs = [shapes.index(tree_label(r)) for r in points]
         ys = [r["mean_accepted_length"] for r in points]
-        ax.plot(xs, ys, marker="o", label=f"T={temperature:g}")
+        ax.plot(xs, ys, marker="o", label=series)
         for x, y, r in zip(xs, ys, points, strict=True):
             ax.annotate(f"{r['speedup']:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6))
     ax.set_xticks(range(len(shapes)), [f"({s})" for s in shapes])

@@ -91,7 +91,7 @@ def test_eval_compares_tree_shapes_and_plots_them(model_dir, prompts_file, tmp_p
     assert "    3,2,5" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = tmp_path / "again.png"
-    assert main(["eval-plot", str(json_path), "--out", str(again)]) == 0
+    assert main(["eval-plot", str(json_path), str(json_path), "--out", str(again)]) == 0
     assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
