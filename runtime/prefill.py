@@ -1,11 +1,13 @@
 """A batch's decoding state: allocated once, then reset and filled by the prefill of each batch.
 
 `allocate_state` builds the static buffers a bucket decodes in (CUDA graphs replay over them,
-so they are never reallocated or rebound). `prefill` writes a fresh batch into them: it
-resets every per-slot field, runs the target over the right-padded prompts (dynamic length,
-outside any graph), samples the root token, fills the draft cache with the pairs
-(token j+1, feature j) of the prompt and leaves (root, last feature) pending for the first
-round's draft extend.
+so they are never reallocated or rebound). `prefill` writes a fresh batch into them in two
+parts: `reset_requests` copies the requests' fields from the host, then `prefill_forwards`
+(device tensors only) empties the caches, runs the target over the right-padded prompts,
+samples the root token, fills the draft cache with the pairs (token j+1, feature j) of the
+prompt and leaves (root, last feature) pending for the first round's draft extend. With CUDA
+graphs the decoder replays `prefill_forwards` as a graph captured per (bucket, padded length,
+`prefill_graph_length`) over static prompt buffers; longer prefills run it directly.
 
 Compiled prefills (`compile_prefill`, dynamic shapes) compile one graph for batch 1 and one
 for every larger batch, whatever the prompt lengths and buckets, because every input they see
