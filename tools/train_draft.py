@@ -71,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--heldout", type=int, default=8, help="held-out sequences")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument(
+        "--init-from", default=None, help="start from this head directory (fine-tune it)"
+    )
     parser.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at step")
     parser.add_argument(
         "--max-minutes", type=float, default=None, help="checkpoint and stop after this long"
@@ -138,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
         save_dtype=SAVE_DTYPES[args.save_dtype],
         max_shard_bytes=int(args.max_shard_mib * 2**20),
+        init_from=args.init_from,
     )
     if result.losses:
         print(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")

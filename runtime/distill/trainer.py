@@ -27,7 +27,7 @@ from tqdm import tqdm
 from ...models.config import DRAFT_KINDS, DraftConfig
 from ...models.eagle import DraftHead, Eagle3Head, build_draft
 from ...models.llama import Llama
-from ...models.loading import save_draft
+from ...models.loading import load_draft, save_draft
 from .data import (
     TrainingSequence,
     iter_batches,
@@ -124,6 +124,23 @@ def build_head(
         head = build_draft(draft_config, target).float()
     if isinstance(head, Eagle3Head):
         _init_draft_vocab(head, target, token_frequencies(sequences, vocab_size=vocab))
+    return head
+
+
+def initial_head(target: Llama, config: TrainConfig, head_dir: str | Path) -> DraftHead:
+    """The head in `head_dir` in float32 on the target's device, checked against `config`."""
+    head = load_draft(head_dir, target=target, dtype=torch.float32)
+    if head.config.kind != config.kind:
+        raise ValueError(
+            f"{head_dir} holds an {head.config.kind} head, not {config.kind}; "
+            f"train it with kind={head.config.kind!r} (--kind {head.config.kind})"
+        )
+    size = head.config.draft_vocab_size
+    if config.draft_vocab_size is not None and config.draft_vocab_size != size:
+        raise ValueError(
+            f"{head_dir} drafts over {size} tokens, not draft_vocab_size="
+            f"{config.draft_vocab_size}; leave it unset to keep the head's vocabulary"
+        )
     return head
 
 
@@ -266,8 +283,13 @@ def train_draft(
     progress: bool = True,
     save_dtype: torch.dtype | None = None,
     max_shard_bytes: int | None = None,
+    init_from: str | Path | None = None,
 ) -> TrainResult:
     """Train a head of `config.kind` on `sequences` with `target` frozen; write it to out_dir.
+
+    `init_from`: a head directory to start from instead of fresh weights (fine-tuning a
+    shipped head on more data); it keeps its own draft vocabulary, and its kind (and, for
+    EAGLE-3, its draft vocabulary size when `config.draft_vocab_size` is set) must match.
 
     With `resume`, head/optimizer/step come from out_dir/checkpoint and training continues
     at the saved step (the same batches follow as in an uninterrupted run). `stop_at` (a
@@ -277,9 +299,14 @@ def train_draft(
     and checkpoints stay in float32.
     """
     out_dir = Path(out_dir)
+    if init_from is not None and resume:
+        raise ValueError("resume continues from out_dir's checkpoint; do not also give init_from")
     target.requires_grad_(False)
     train_set, heldout = split_heldout(sequences, config=config)
-    head = build_head(target, config, train_set)
+    if init_from is None:
+        head = build_head(target, config, train_set)
+    else:
+        head = initial_head(target, config, init_from)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     start = load_checkpoint(out_dir, head, optimizer) if resume else 0
     if not resume:

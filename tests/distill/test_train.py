@@ -209,3 +209,43 @@ def test_resume_continues_at_the_saved_step(target, sequences, tmp_path):
     assert rest.losses == whole.losses[3:]
     for name, tensor in rest.head.state_dict().items():
         assert torch.equal(tensor, whole.head.state_dict()[name]), name
+
+
+def test_a_head_fine_tuned_from_a_trained_one_starts_where_it_ended(target, sequences, tmp_path):
+    trained = _train(target, sequences, tmp_path / "first")
+    config = TrainConfig(num_steps=2, batch_size=8, lr=1e-9, num_ttt_steps=3, num_heldout=6)
+    tuned = train_draft(
+        target,
+        sequences,
+        config=config,
+        out_dir=tmp_path / "tuned",
+        progress=False,
+        init_from=tmp_path / "first",
+    )
+    fresh = _train(target, sequences, tmp_path / "fresh", num_steps=2, lr=1e-9)
+    # The loss picks up near where the first run ended, far below a fresh head's.
+    assert tuned.losses[0] < 0.5 * fresh.losses[0]
+    assert abs(tuned.losses[0] - trained.losses[-1]) < 0.5 * fresh.losses[0]
+    before, after = trained.head.state_dict(), tuned.head.state_dict()
+    assert set(before) == set(after)
+    for name, tensor in after.items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_fine_tuning_refuses_another_kind_or_vocabulary_and_resume(target, sequences, tmp_path):
+    _train(target, sequences, tmp_path / "first", num_steps=1)
+
+    def run(**overrides):
+        fields = {"num_steps": 1, "num_ttt_steps": 2, "num_heldout": 0}
+        config = TrainConfig(**(fields | overrides.pop("config", {})))
+        return train_draft(
+            target, sequences, config=config, out_dir=tmp_path / "out", progress=False,
+            init_from=tmp_path / "first", **overrides,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="--kind eagle3"):
+        run(config={"kind": "eagle1"})
+    with pytest.raises(ValueError, match="not draft_vocab_size=20"):
+        run(config={"draft_vocab_size": 20})
+    with pytest.raises(ValueError, match="do not also give init_from"):
+        run(resume=True)

@@ -120,6 +120,10 @@ def test_train_draft_writes_a_head_the_engine_loads(model_dir, prompts_file, tmp
     assert main([*argv, "--steps", "6", "--resume"]) == 0
     state = torch.load(out / "checkpoint" / "state.pt", weights_only=True)
     assert state["step"] == 6
+    tuned = tmp_path / "tuned"
+    argv_tuned = [a if a != str(out) else str(tuned) for a in argv]
+    assert main([*argv_tuned, "--steps", "2", "--init-from", str(out)]) == 0
+    assert (tuned / "config.json").read_text() == (out / "config.json").read_text()
     config = EngineConfig(device="cpu", dtype="float32")
     spec = Engine.from_pretrained(model_dir, draft=out, config=config)
     plain = Engine.from_pretrained(model_dir, config=config)
