@@ -27,6 +27,7 @@ from tqdm import tqdm
 from .config import LlamaConfig, RopeScaling
 from .gguf_tokenizer import build_tokenizer, special_token_ids
 from .llama import Llama, rope_inv_freq
+from .loading import specs_of
 
 logger = logging.getLogger(__name__)
 
@@ -247,13 +248,12 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """HF key -> shape of every tensor a checkpoint of `config` holds (tied lm_head left out)."""
     with torch.device("meta"):
         model = Llama(config)
-    buffers = {name for name, _ in model.named_buffers()}
     shapes = {}
-    for name, tensor in model.state_dict().items():  # state-dict names: fused parts apart
-        if name in buffers or (name == "lm_head.weight" and config.tie_word_embeddings):
+    for name, spec in specs_of(model).items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         key = name if name.startswith("lm_head.") else f"model.{name}"
-        shapes[key] = tuple(tensor.shape)
+        shapes[key] = spec.shape
     return shapes
 
 
