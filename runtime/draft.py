@@ -65,7 +65,7 @@ def draft_extend(
     """Commit the pending pairs to the draft cache.
 
     Returns the root's feature [B, H] (the head's hidden state at the last valid pair) and the
-    log-probabilities of the root's children [B, V_draft].
+    logits of the root's children [B, V_draft].
     """
     batch, num_pairs = pending.tokens.shape
     device = pending.tokens.device
@@ -75,7 +75,7 @@ def draft_extend(
     cache.append(out.k_new, out.v_new, pending.num_valid)
     last = (pending.num_valid - 1).clamp_min(0)
     rows = torch.arange(batch, device=device)
-    return out.hidden[rows, last], out.logits[rows, last].float().log_softmax(-1)
+    return out.hidden[rows, last], out.logits[rows, last]
 
 
 def draft_tree(
@@ -94,8 +94,8 @@ def draft_tree(
         root: [B] int64 the pending root token.
         shape: (D, K, N).
     """
-    root_feature, root_logp = draft_extend(head, cache, pending)
-    tokens, scores = first_level(root_logp, shape.topk)
+    root_feature, root_logits = draft_extend(head, cache, pending)
+    tokens, scores = first_level(root_logits, shape.topk)
     tokens = head.to_target_ids(tokens)
     batch, topk = tokens.shape
     device = tokens.device
@@ -144,8 +144,7 @@ def _expand(
     out = head(frontier.tokens, frontier.features, positions, attn)
     side_k = out.k_new if side is None else torch.cat([side[0], out.k_new], dim=3)
     side_v = out.v_new if side is None else torch.cat([side[1], out.v_new], dim=3)
-    logp = out.logits.float().log_softmax(-1)
-    tokens, scores, parent, chosen = expand_level(frontier.scores, logp, shape.topk)
+    tokens, scores, parent, chosen = expand_level(frontier.scores, out.logits, shape.topk)
     tokens = head.to_target_ids(tokens)
     offset = shape.topk + (level - 1) * shape.topk**2
     chosen_parent = parent.gather(1, chosen)
@@ -177,12 +176,12 @@ def draft_static_tree(
     Levels are drafted in turn; every node of a level below D is run through the head (its K/V
     joins the side buffer) so that its children can be read off its draft distribution.
     """
-    root_feature, root_logp = draft_extend(head, cache, pending)
+    root_feature, root_logits = draft_extend(head, cache, pending)
     batch, device = root.shape[0], root.device
     parents, depths = static.parent_nodes(), [0] + [len(p) for p in static.paths]
     ranks = [0] + [p[-1] for p in static.paths]
     visible = expand_ancestor_mask(_static_ancestors(static, device), static.num_nodes)
-    top = head.to_target_ids(root_logp.topk(static.max_rank, dim=-1).indices)
+    top = head.to_target_ids(root_logits.topk(static.max_rank, dim=-1).indices)
     tokens = [root] + [top[:, ranks[n]] for n in range(1, static.num_nodes) if depths[n] == 1]
     features = {n: root_feature for n in range(1, static.num_nodes) if depths[n] == 1}
     side: tuple[torch.Tensor, torch.Tensor] | None = None

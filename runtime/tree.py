@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.attention import pack_ancestor_mask
+from .kernels.topk import log_softmax_topk
 
 
 @dataclass(frozen=True)
@@ -75,36 +76,36 @@ class Candidates:
     parent: torch.Tensor
 
 
-def first_level(logp: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def first_level(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K best children of the root.
 
     Args:
-        logp: [B, V] draft log-probabilities for the root's next token.
+        logits: [B, V] draft logits for the root's next token (any float dtype).
     Returns:
-        tokens [B, K] int64 and their scores [B, K] float32 (best first).
+        tokens [B, K] int64 and their scores [B, K] float32 log-probabilities (best first).
     """
-    scores, tokens = logp.float().topk(topk, dim=-1)
+    scores, tokens = log_softmax_topk(logits, topk)
     return tokens, scores
 
 
 def expand_level(
-    frontier_scores: torch.Tensor, logp: torch.Tensor, topk: int
+    frontier_scores: torch.Tensor, logits: torch.Tensor, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Score the K*K children of the K frontier nodes and pick the next frontier.
 
     Args:
         frontier_scores: [B, K] float32 cumulative scores of the frontier.
-        logp: [B, K, V] draft log-probabilities of each frontier node's children.
+        logits: [B, K, V] draft logits of each frontier node's children (any float dtype).
     Returns:
         tokens [B, K*K], scores [B, K*K] (child j of frontier node f at f*K + j),
         parent [B, K*K] frontier index of each child, and next_frontier [B, K]: indices into
         the K*K children of the new frontier, best first.
     """
-    batch = logp.shape[0]
-    child_logp, tokens = logp.float().topk(topk, dim=-1)
+    batch = logits.shape[0]
+    child_logp, tokens = log_softmax_topk(logits, topk)
     scores = torch.minimum(frontier_scores[..., None] + child_logp, frontier_scores[..., None])
     scores, tokens = scores.reshape(batch, -1), tokens.reshape(batch, -1)
-    parent = torch.arange(topk, device=logp.device).repeat_interleave(topk).expand(batch, -1)
+    parent = torch.arange(topk, device=logits.device).repeat_interleave(topk).expand(batch, -1)
     next_frontier = stable_topk(scores, topk)
     return tokens, scores, parent, next_frontier
 

@@ -3,8 +3,10 @@
 Drafting a tree takes the top k (k <= 16 or so) of every frontier node's distribution over the
 draft vocabulary, level after level. Inductor has no lowering of its own for topk, so each
 call falls back to ATen's radix select, the costliest kernel of a small model's draft phase
-(runtime/kernels/topk.py says how much). The model code keeps calling `torch.topk`, which is
-its eager reference; in compiled graphs this pass swaps
+(runtime/kernels/topk.py says how much). EAGLE-2 levels call `rt::log_softmax_topk` directly
+(runtime/tree.py: selection and normalisation in one launch); other code, static trees
+included, keeps calling `torch.topk`, which is its eager reference, and in compiled graphs
+this pass swaps
 
     topk(x, k, dim=-1, largest=True, sorted=True or False) -> (values, indices)
 

@@ -1,7 +1,8 @@
-"""rt::topk against its reference (a stable descending sort cut at k) and torch.topk.
+"""rt::topk against its reference (a stable descending sort cut at k) and torch.topk;
+rt::log_softmax_topk against log_softmax followed by that sort.
 
-CPU tier: the op on hypothesis-drawn shapes with ties and -inf, its argument checks, opcheck,
-and the Triton kernels under TRITON_INTERPRET=1 (in a subprocess, so the variable never
+CPU tier: the ops on hypothesis-drawn shapes with ties and -inf, their argument checks,
+opcheck, and the Triton kernels under TRITON_INTERPRET=1 (in a subprocess, so the variable never
 reaches the triton imported here). GPU tier (`-m gpu`): the kernels on odd shapes, under
 torch.compile and in a CUDA graph.
 """
@@ -16,7 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from triton_interpreter import assert_script_passes_under_interpreter
 
-from specrun.runtime.kernels.topk import MAX_CHUNK, MAX_K, launch_topk, topk, topk_ref
+from specrun.runtime.kernels.topk import (
+    MAX_CHUNK,
+    MAX_K,
+    launch_topk,
+    log_softmax_topk,
+    log_softmax_topk_ref,
+    topk,
+    topk_ref,
+)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -47,6 +56,15 @@ def assert_matches_reference(values: torch.Tensor, columns: torch.Tensor, x: tor
     assert torch.equal(columns.cpu(), want_columns)
 
 
+def assert_log_probs_match(values: torch.Tensor, columns: torch.Tensor, x: torch.Tensor, k: int):
+    """The columns of topk_ref, valued as log_softmax in float32 (to its rounding)."""
+    x = x.cpu()
+    assert values.dtype == torch.float32 and columns.dtype == torch.int64
+    assert torch.equal(columns.cpu(), topk_ref(x, k)[1])
+    want = x.float().log_softmax(-1).gather(-1, columns.cpu())
+    torch.testing.assert_close(values.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     leading=st.lists(st.integers(1, 4), min_size=0, max_size=2),
@@ -69,6 +87,27 @@ def test_op_is_a_stable_descending_sort_cut_at_k(leading, num_cols, k, ties, dty
     assert bool((columns[..., 1:] > columns[..., :-1])[same_value].all())
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    leading=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    num_cols=st.integers(1, 300),
+    k=st.integers(1, MAX_K),
+    ties=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_log_softmax_topk_selects_as_topk_and_values_as_log_softmax(
+    leading, num_cols, k, ties, dtype, seed
+):
+    k = min(k, num_cols)
+    x = make_rows((*leading, num_cols), dtype=dtype, seed=seed, ties=ties)
+    x[..., 0] = 0.0  # a finite entry per row
+    values, columns = log_softmax_topk(x, k)
+    assert values.shape == columns.shape == (*leading, k)
+    assert_log_probs_match(values, columns, x, k)
+
+
+@pytest.mark.parametrize("op", [topk, log_softmax_topk])
 @pytest.mark.parametrize(
     ("x", "k", "message"),
     [
@@ -80,14 +119,18 @@ def test_op_is_a_stable_descending_sort_cut_at_k(leading, num_cols, k, ties, dty
         (torch.zeros(3, 0), 1, "at least one"),
     ],
 )
-def test_bad_arguments_are_refused(x, k, message):
+def test_bad_arguments_are_refused(op, x, k, message):
+    if op is log_softmax_topk and message == "float64":
+        assert_log_probs_match(*op(x, k), x, k)  # float64 logits take the reference
+        return
     with pytest.raises(ValueError, match=message):
-        topk(x, k)
+        op(x, k)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("op", [torch.ops.rt.topk.default, torch.ops.rt.log_softmax_topk.default])
+def test_opcheck(op):
     x = make_rows((3, 7, 50), dtype=torch.float32, seed=0, ties=False)
-    torch.library.opcheck(torch.ops.rt.topk.default, (x, 5))
+    torch.library.opcheck(op, (x, 5))
 
 
 def test_triton_kernel_under_interpreter():
@@ -114,6 +157,11 @@ def _interpret_main() -> int:
         values, columns = launch_topk(x, k)
         want_values, want_columns = topk_ref(x, k)
         ok = torch.equal(values, want_values) and torch.equal(columns, want_columns)
+        x[:, 0] = 0.0  # log-softmax rows need a finite entry
+        values, columns = launch_topk(x, k, log_softmax=True)
+        want_values, want_columns = log_softmax_topk_ref(x, k)
+        ok = ok and torch.equal(columns, want_columns)
+        ok = ok and torch.allclose(values, want_values, rtol=1e-5, atol=1e-5)
         failures += not ok
         print(f"case {i}: {num_rows}x{num_cols} k={k} ties={ties} {'ok' if ok else 'FAIL'}")
     return 1 if failures else 0
@@ -141,6 +189,8 @@ GPU_CASES = [
 def test_gpu_kernel_matches_reference(num_rows, num_cols, k, dtype, ties):
     x = make_rows((num_rows, num_cols), dtype=dtype, seed=num_cols, ties=ties, device="cuda")
     assert_matches_reference(*topk(x, k), x, k)
+    x[:, 0] = 0.0
+    assert_log_probs_match(*log_softmax_topk(x, k), x, k)
 
 
 @pytest.mark.gpu

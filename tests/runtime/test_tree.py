@@ -20,17 +20,17 @@ from specrun.runtime.tree import (
 
 
 def _draft_tables(shape: TreeShape, vocab: int, seed: int) -> tuple[torch.Tensor, list]:
+    """Draft logits: the root's [V] and each later level's [K, V]."""
     gen = torch.Generator().manual_seed(seed)
-    root_logp = torch.randn(vocab, generator=gen).log_softmax(-1)
-    level_logp = [
-        torch.randn(shape.topk, vocab, generator=gen).log_softmax(-1)
-        for _ in range(shape.depth - 1)
-    ]
-    return root_logp, level_logp
+    root_logits = 3 * torch.randn(vocab, generator=gen)
+    level_logits = [3 * torch.randn(shape.topk, vocab, generator=gen) for _ in range(shape.depth - 1)]
+    return root_logits, level_logits
 
 
-def _loop_tree(shape: TreeShape, root_logp, level_logp):
+def _loop_tree(shape: TreeShape, root_logits, level_logits):
     """EAGLE-2 as written in prose: (token, score, parent candidate, level) per candidate."""
+    root_logp = root_logits.log_softmax(-1)
+    level_logp = [logits.log_softmax(-1) for logits in level_logits]
     cands = []
     order = sorted(range(len(root_logp)), key=lambda t: -float(root_logp[t]))[: shape.topk]
     frontier = []
@@ -67,13 +67,13 @@ def tree_shapes(draw):
 @given(shape=tree_shapes(), seed=st.integers(0, 10_000))
 def test_dynamic_tree_matches_loop(shape, seed):
     vocab = 40
-    root_logp, level_logp = _draft_tables(shape, vocab, seed)
-    tokens, scores = first_level(root_logp[None], shape.topk)
+    root_logits, level_logits = _draft_tables(shape, vocab, seed)
+    tokens, scores = first_level(root_logits[None], shape.topk)
     all_tokens, all_scores = [tokens], [scores]
     all_parents = [torch.full((1, shape.topk), -1)]
     frontier_cand, frontier_scores, offset = torch.arange(shape.topk)[None], scores, shape.topk
-    for logp in level_logp:
-        tokens, scores, parent, nxt = expand_level(frontier_scores, logp[None], shape.topk)
+    for logits in level_logits:
+        tokens, scores, parent, nxt = expand_level(frontier_scores, logits[None], shape.topk)
         all_tokens.append(tokens)
         all_scores.append(scores)
         all_parents.append(frontier_cand.gather(1, parent))
@@ -84,7 +84,7 @@ def test_dynamic_tree_matches_loop(shape, seed):
         torch.cat(all_tokens, 1), torch.cat(all_scores, 1), torch.cat(all_parents, 1)
     )
     tree = rerank(torch.tensor([7]), cands, shape)
-    want_tokens, want_parents, want_depths = _loop_tree(shape, root_logp, level_logp)
+    want_tokens, want_parents, want_depths = _loop_tree(shape, root_logits, level_logits)
     assert tree.tokens[0].tolist() == [7, *want_tokens]
     assert tree.parent[0].tolist() == [0, *want_parents]
     assert tree.depth[0].tolist() == [0, *want_depths]
