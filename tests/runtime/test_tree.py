@@ -23,7 +23,9 @@ def _draft_tables(shape: TreeShape, vocab: int, seed: int) -> tuple[torch.Tensor
     """Draft logits: the root's [V] and each later level's [K, V]."""
     gen = torch.Generator().manual_seed(seed)
     root_logits = 3 * torch.randn(vocab, generator=gen)
-    level_logits = [3 * torch.randn(shape.topk, vocab, generator=gen) for _ in range(shape.depth - 1)]
+    level_logits = [
+        3 * torch.randn(shape.topk, vocab, generator=gen) for _ in range(shape.depth - 1)
+    ]
     return root_logits, level_logits
 
 
