@@ -65,8 +65,8 @@ def assert_log_probs_match(values: torch.Tensor, columns: torch.Tensor, x: torch
     torch.testing.assert_close(values.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=40, deadline=None)
-@given(
+# Hypothesis strategies for a batch of rows and a k: shapes, ties and -inf, dtypes.
+ROW_CASES = dict(
     leading=st.lists(st.integers(1, 4), min_size=0, max_size=2),
     num_cols=st.integers(1, 300),
     k=st.integers(1, MAX_K),
@@ -74,6 +74,10 @@ def assert_log_probs_match(values: torch.Tensor, columns: torch.Tensor, x: torch
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     seed=st.integers(0, 2**16),
 )
+
+
+@settings(max_examples=40, deadline=None)
+@given(**ROW_CASES)
 def test_op_is_a_stable_descending_sort_cut_at_k(leading, num_cols, k, ties, dtype, seed):
     k = min(k, num_cols)
     x = make_rows((*leading, num_cols), dtype=dtype, seed=seed, ties=ties)
@@ -88,14 +92,7 @@ def test_op_is_a_stable_descending_sort_cut_at_k(leading, num_cols, k, ties, dty
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    leading=st.lists(st.integers(1, 4), min_size=0, max_size=2),
-    num_cols=st.integers(1, 300),
-    k=st.integers(1, MAX_K),
-    ties=st.booleans(),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-    seed=st.integers(0, 2**16),
-)
+@given(**ROW_CASES)
 def test_log_softmax_topk_selects_as_topk_and_values_as_log_softmax(
     leading, num_cols, k, ties, dtype, seed
 ):
