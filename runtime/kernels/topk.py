@@ -89,8 +89,9 @@ def _topk_kernel(
     """Program (row, chunk): the top K entries of columns [chunk * BLOCK, (chunk + 1) * BLOCK)
     of a row, best first, at [row, chunk * K + i] of the outputs: as keys (TO_KEYS, stage 1 of
     two) or as values and columns. FROM_KEYS (stage 2) reads keys instead of x. LOG_SOFTMAX:
-    stage 1 also writes its chunk's (max, sum) to stats [rows, CHUNKS, 2] (two stages) or
-    subtracts its log-sum-exp (one stage); stage 2 subtracts the row's from the CHUNKS chunks'."""
+    stage 1 also writes its chunk's (max, sum) to stats [rows, chunks, 2] (two stages) or
+    subtracts its log-sum-exp (one stage); stage 2 combines the row's chunks into its
+    log-sum-exp and subtracts that. CHUNKS: the number of chunks rounded up to a power of 2."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offsets = chunk * BLOCK + tl.arange(0, BLOCK)
