@@ -45,7 +45,8 @@ def default_trees(draft: str | Path | None = None) -> Mapping[int, TreeShape | S
     head's own table over it when its directory has `trees.json`,
     `{"trees": {"BUCKET": [DEPTH, TOPK, NUM_NODES], ...}}` (the shapes measured best for that
     head and its target; a small target makes every draft step count, so its best trees are
-    smaller than the table tuned for Llama-3.1-8B shapes)."""
+    smaller than the table tuned for Llama-3.1-8B shapes); a fourth entry `true` makes the
+    tree stochastic (`TreeShape.stochastic`)."""
     path = Path(draft) / HEAD_TREES_FILE if draft is not None else None
     if path is None or not path.is_file():
         return DEFAULT_TREES

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.attention import chain_ancestors, expand_ancestor_mask, pack_ancestor_mask
-from ..models.eagle import DraftHead
+from ..models.eagle import DraftHead, DraftOutput
 from ..models.llama import AttentionInputs
 from .kv_cache import KVCache
 from .tree import (
@@ -47,7 +47,7 @@ class PendingPairs:
 
 
 @dataclass
-class _Frontier:
+class Frontier:
     """The K nodes of the level being expanded: tokens [B, K], features [B, K, H] (their
     parents' draft hidden states), scores [B, K], candidate indices [B, K], and anc [B, K, S]:
     which side-buffer slots (earlier frontier nodes) each node descends from."""
@@ -101,7 +101,7 @@ def draft_tree(
     device = tokens.device
     candidate = torch.arange(topk, device=device).expand(batch, -1)
     cands = Candidates(tokens, scores, torch.full_like(tokens, -1))
-    frontier = _Frontier(
+    frontier = Frontier(
         tokens=tokens,
         features=root_feature[:, None].expand(-1, topk, -1),
         scores=scores,
@@ -122,12 +122,32 @@ def draft_tree(
 def _expand(
     head: DraftHead,
     cache: KVCache,
-    frontier: _Frontier,
+    frontier: Frontier,
     side: tuple[torch.Tensor, torch.Tensor] | None,
     level: int,
     shape: TreeShape,
-) -> tuple[_Frontier, tuple[torch.Tensor, torch.Tensor], Candidates]:
+) -> tuple[Frontier, tuple[torch.Tensor, torch.Tensor], Candidates]:
     """Run the head on the level-`level` frontier; score its children; pick the next frontier."""
+    out, visible, side = run_frontier(head, cache, frontier, side, level)
+    tokens, scores, parent, chosen = expand_level(frontier.scores, out.logits, shape.topk)
+    next_frontier, level_cands = next_level(
+        head.to_target_ids(tokens), scores, parent, chosen,
+        frontier=frontier, out=out, visible=visible, level=level, shape=shape,
+    )  # fmt: skip
+    return next_frontier, side, level_cands
+
+
+def run_frontier(
+    head: DraftHead,
+    cache: KVCache,
+    frontier: Frontier,
+    side: tuple[torch.Tensor, torch.Tensor] | None,
+    level: int,
+) -> tuple[DraftOutput, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The head over the level-`level` frontier, attending to the cache, the side buffer and
+    itself. Returns its output (logits [B, K, V_draft]: the frontier's children), the
+    frontier's visibility [B, K, S + K] over the side buffer's slots, and the side buffer grown
+    by the frontier's K/V."""
     batch, topk = frontier.tokens.shape
     device = frontier.tokens.device
     itself = torch.eye(topk, dtype=torch.bool, device=device).expand(batch, -1, -1)
@@ -144,19 +164,33 @@ def _expand(
     out = head(frontier.tokens, frontier.features, positions, attn)
     side_k = out.k_new if side is None else torch.cat([side[0], out.k_new], dim=3)
     side_v = out.v_new if side is None else torch.cat([side[1], out.v_new], dim=3)
-    tokens, scores, parent, chosen = expand_level(frontier.scores, out.logits, shape.topk)
-    tokens = head.to_target_ids(tokens)
+    return out, visible, (side_k, side_v)
+
+
+def next_level(
+    tokens: torch.Tensor,
+    scores: torch.Tensor,
+    parent: torch.Tensor,
+    chosen: torch.Tensor,
+    *,
+    frontier: Frontier,
+    out: DraftOutput,
+    visible: torch.Tensor,
+    level: int,
+    shape: TreeShape,
+) -> tuple[Frontier, Candidates]:
+    """The next frontier and this level's candidates, from the K*K scored children (tokens
+    [B, K*K] target ids, scores, parent frontier index) and the chosen [B, K] among them."""
     offset = shape.topk + (level - 1) * shape.topk**2
     chosen_parent = parent.gather(1, chosen)
-    next_frontier = _Frontier(
+    next_frontier = Frontier(
         tokens=tokens.gather(1, chosen),
         features=_rows(out.hidden, chosen_parent),
         scores=scores.gather(1, chosen),
         candidate=offset + chosen,
         anc=_rows(visible, chosen_parent),
     )
-    level_cands = Candidates(tokens, scores, frontier.candidate.gather(1, parent))
-    return next_frontier, (side_k, side_v), level_cands
+    return next_frontier, Candidates(tokens, scores, frontier.candidate.gather(1, parent))
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

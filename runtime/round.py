@@ -23,6 +23,7 @@ from ..models.llama import Llama
 from .draft import PendingPairs, draft_static_tree, draft_tree
 from .kv_cache import KVCache
 from .sampling import SamplingTensors, draw_tokens
+from .stochastic import DraftDistributions, accept_stochastic, draft_stochastic_tree
 from .tree import StaticTree, Tree, TreeShape
 from .verify import Acceptance, accept
 
@@ -80,8 +81,13 @@ def speculative_round(
 ) -> torch.Tensor:
     """Run one round in place. Returns the round report [B, 4 + D + 1] int64 (ReportColumns;
     slots already done report nothing). Samples from the default RNG of the state's device."""
+    if isinstance(shape, TreeShape) and shape.stochastic:
+        tree, draft = draft_stochastic_tree(
+            head, state.draft, state.pending, state.root, shape, state.sampling
+        )
+        return verify_phase(target, head, state, tree, shape=shape, draft=draft)
     tree = draft_phase(head, state, shape)
-    return verify_phase(target, head, state, tree, depth=shape.depth)
+    return verify_phase(target, head, state, tree, shape=shape)
 
 
 def draft_phase(head: DraftHead, state: SpecState, shape: TreeShape | StaticTree) -> Tree:
@@ -92,17 +98,31 @@ def draft_phase(head: DraftHead, state: SpecState, shape: TreeShape | StaticTree
 
 
 def verify_phase(
-    target: Llama, head: DraftHead, state: SpecState, tree: Tree, *, depth: int
+    target: Llama,
+    head: DraftHead,
+    state: SpecState,
+    tree: Tree,
+    *,
+    shape: TreeShape | StaticTree,
+    draft: DraftDistributions | None = None,
 ) -> torch.Tensor:
-    """Target forward over the tree, acceptance and commit. Returns the round report."""
+    """Target forward over the tree, acceptance and commit. Returns the round report. `draft`:
+    a stochastic tree's draft distributions (accepted by rejection sampling), else None."""
     out = target(
         tree.tokens,
         state.target.lengths[:, None] + tree.depth,
         state.target.attention_inputs(tree.anc),
     )
-    # One draw from the target at every node; each is used at most once along the path.
-    drawn = draw_tokens(target.logits(out.hidden), state.sampling)
-    acceptance = accept(tree, drawn, depth=depth)
+    logits = target.logits(out.hidden)
+    if draft is None:
+        # One draw from the target at every node; each is used at most once along the path.
+        acceptance = accept(tree, draw_tokens(logits, state.sampling), depth=shape.depth)
+    else:
+        draft_ids = torch.arange(draft.probs.shape[-1], device=logits.device)
+        draft_to_target = head.to_target_ids(draft_ids)
+        acceptance = accept_stochastic(
+            tree, logits, draft, draft_to_target, state.sampling, shape=shape
+        )
     was_done = state.done.clone()
     _commit_target(state, out.k_new, out.v_new, acceptance, was_done)
     emitted = _emitted_tokens(tree, acceptance)

@@ -24,13 +24,21 @@ from .kernels.topk import log_softmax_topk
 
 @dataclass(frozen=True)
 class TreeShape:
-    """depth: levels below the root (D); topk: frontier width (K); num_nodes: N, root included."""
+    """depth: levels below the root (D); topk: frontier width (K); num_nodes: N, root included.
+
+    stochastic: requests that sample (temperature > 0) draft their trees by sampling from the
+    head without replacement and verify them by recursive rejection sampling (runtime/draft.py,
+    runtime/verify.py), instead of drafting the head's top-k; greedy requests are unchanged.
+    """
 
     depth: int
     topk: int
     num_nodes: int
+    stochastic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stochastic, bool):
+            raise ValueError(f"tree stochastic must be a bool, got {self.stochastic!r}")
         for name in ("depth", "topk", "num_nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -133,9 +141,20 @@ def rerank(root: torch.Tensor, cands: Candidates, shape: TreeShape) -> Tree:
         root: [B] int64 root tokens.
         cands: all candidates of the round.
     """
+    return layout_tree(root, cands, shape, kept_candidates(cands.scores, shape))
+
+
+def kept_candidates(scores: torch.Tensor, shape: TreeShape) -> torch.Tensor:
+    """[B, N-1] int64: the candidates (of scores [B, C]) the tree keeps, in candidate order."""
+    return stable_topk(scores, shape.num_nodes - 1).sort(dim=-1).values
+
+
+def layout_tree(
+    root: torch.Tensor, cands: Candidates, shape: TreeShape, kept: torch.Tensor
+) -> Tree:
+    """The tree of the `kept` [B, N-1] candidates (closed under ancestors, in candidate order)."""
     batch, num_candidates = cands.scores.shape
     device = cands.scores.device
-    kept = stable_topk(cands.scores, shape.num_nodes - 1).sort(dim=-1).values
     node_of_candidate = torch.zeros(batch, num_candidates + 1, dtype=torch.int64, device=device)
     node_ids = torch.arange(1, shape.num_nodes, device=device).expand(batch, -1)
     # Slot 0 of node_of_candidate stands for the root (candidate -1 after the +1 shift).

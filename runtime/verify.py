@@ -6,6 +6,7 @@ with probability p(x) and otherwise samples from p with every child removed: pre
 multi-round rejection scheme for top-k (deterministic) drafts, with the rejected siblings'
 mass removed, and so the emitted tokens are distributed as autoregressive samples of p.
 Greedy is the same walk with one-hot p. The walk has a fixed D iterations and no host sync.
+Stochastic trees (sampled drafts) are verified by rejection sampling instead: runtime/stochastic.py.
 """
 
 from __future__ import annotations

@@ -110,7 +110,8 @@ def _tree_shapes(args: argparse.Namespace) -> list[TreeShape]:
         return [tree_shape(args)]
     if any(getattr(args, name) is not None for name in ("depth", "topk", "nodes")):
         raise ValueError("give either --trees or --depth/--topk/--nodes, not both")
-    return list(dict.fromkeys(args.trees))
+    shapes = (dataclasses.replace(s, stochastic=args.stochastic) for s in args.trees)
+    return list(dict.fromkeys(shapes))
 
 
 def _params(args: argparse.Namespace, temperature: float) -> SamplingParams:
@@ -155,6 +156,7 @@ def point_record(
         "depth": shape.depth,
         "topk": shape.topk,
         "nodes": shape.num_nodes,
+        "stochastic": shape.stochastic,
         "mean_accepted_length": spec_stats.mean_accepted_length,
         "accepted_histogram": spec_stats.accepted_histogram,
         "num_rounds": spec_stats.num_rounds,
@@ -220,7 +222,7 @@ def format_table(records: list[dict]) -> str:
     )
     rows = [header, "-" * len(header)]
     for r in records:
-        tree = f"{r['depth']},{r['topk']},{r['nodes']}"
+        tree = f"{r['depth']},{r['topk']},{r['nodes']}" + (",s" if r.get("stochastic") else "")
         rows.append(
             f"{tree:>9} {r['temperature']:>6.2f} {r['mean_accepted_length']:>10.2f} "
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -86,6 +87,11 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=None, help="tree depth D")
     parser.add_argument("--topk", type=int, default=None, help="frontier width K")
     parser.add_argument("--nodes", type=int, default=None, help="tree nodes N (root included)")
+    parser.add_argument(
+        "--stochastic",
+        action="store_true",
+        help="sampling requests draft by sampling from the head, verified by rejection sampling",
+    )
 
 
 def tree_shape(args: argparse.Namespace) -> TreeShape:
@@ -94,6 +100,7 @@ def tree_shape(args: argparse.Namespace) -> TreeShape:
         depth=DEFAULT_TREE.depth if args.depth is None else args.depth,
         topk=DEFAULT_TREE.topk if args.topk is None else args.topk,
         num_nodes=DEFAULT_TREE.num_nodes if args.nodes is None else args.nodes,
+        stochastic=args.stochastic,
     )
 
 
@@ -103,5 +110,13 @@ def tree_table(
     """EngineConfig.trees: the asked-for tree at every bucket, else the default table with the
     draft head's recommended trees over it (`default_trees`)."""
     if args.depth is None and args.topk is None and args.nodes is None:
-        return default_trees(draft)
+        trees = default_trees(draft)
+        if not args.stochastic:
+            return trees
+        return {
+            bucket: dataclasses.replace(tree, stochastic=True)
+            if isinstance(tree, TreeShape)
+            else tree
+            for bucket, tree in trees.items()
+        }
     return {1: tree_shape(args)}

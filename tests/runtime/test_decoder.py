@@ -101,11 +101,14 @@ def test_a_head_directory_carries_its_trees(tmp_path):
     """trees.json in a head directory goes over the default table; a malformed one is refused
     naming the file; the shipped head carries its tuned batch-1 tree."""
     assert default_trees(None) is DEFAULT_TREES and default_trees(tmp_path) is DEFAULT_TREES
-    (tmp_path / HEAD_TREES_FILE).write_text('{"trees": {"1": [5, 8, 32], "16": [2, 2, 4]}}')
+    (tmp_path / HEAD_TREES_FILE).write_text(
+        '{"trees": {"1": [5, 8, 32], "16": [2, 2, 4], "32": [2, 2, 3, true]}}'
+    )
     trees = default_trees(tmp_path)
     assert trees[1] == TreeShape(5, 8, 32) and trees[16] == TreeShape(2, 2, 4)
-    assert {k: v for k, v in trees.items() if k not in (1, 16)} == {
-        k: v for k, v in DEFAULT_TREES.items() if k not in (1, 16)
+    assert trees[32] == TreeShape(2, 2, 3, stochastic=True)
+    assert {k: v for k, v in trees.items() if k not in (1, 16, 32)} == {
+        k: v for k, v in DEFAULT_TREES.items() if k not in (1, 16, 32)
     }
     assert EngineConfig(trees=trees).tree_for(1) == TreeShape(5, 8, 32)
     bad = [
@@ -114,6 +117,7 @@ def test_a_head_directory_carries_its_trees(tmp_path):
         '{"trees": [1]}',
         '{"trees": {"1": [5, 8]}}',
         '{"trees": {"a": [5, 8, 32]}}',
+        '{"trees": {"1": [5, 8, 32, 1]}}',
     ]
     for text in bad:
         (tmp_path / HEAD_TREES_FILE).write_text(text)

@@ -33,7 +33,9 @@ def llama_configs(draw):
 def tree_shapes(draw):
     depth, topk = draw(st.integers(1, 8)), draw(st.integers(1, 8))
     num_candidates = topk + (depth - 1) * topk**2
-    return TreeShape(depth, topk, draw(st.integers(1, min(64, num_candidates + 1))))
+    num_nodes = draw(st.integers(1, min(64, num_candidates + 1)))
+    # Stochastic trees draft greedy requests as deterministic ones do.
+    return TreeShape(depth, topk, num_nodes, stochastic=draw(st.booleans()))
 
 
 @st.composite
@@ -104,6 +106,25 @@ def test_perfect_draft_accepts_whole_paths(shape):
     assert full_rounds >= sum(stats.accepted_histogram) - len(prompts)
 
 
+def test_stochastic_tree_accepts_every_draft_of_a_perfect_head():
+    """A head equal to the target (at the request's temperature) has each first sampled child
+    accepted: every round but each request's last takes all D tokens."""
+    target = random_llama(tiny_config(vocab_size=23, num_layers=1), seed=3, dtype=torch.float64)
+    shape, prompts = TreeShape(3, 2, 6, stochastic=True), [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=31, seed=7)
+    with torch.no_grad():
+        got, stats = speculative_generate(
+            target, TargetAsDraft(target), prompts, params, shape=shape
+        )
+    assert [len(g.token_ids) for g in got] == [31] * 3
+    assert stats.accepted_histogram[shape.depth] >= sum(stats.accepted_histogram) - len(prompts)
+    with torch.no_grad():
+        _, fixed = speculative_generate(
+            target, TargetAsDraft(target), prompts, params, shape=TreeShape(3, 2, 6)
+        )
+    assert stats.mean_accepted_length > fixed.mean_accepted_length + 0.5
+
+
 def _exact_three_token_law(target, prompt, params) -> dict[tuple[int, ...], float]:
     """P(t1, t2, t3) of autoregressive sampling, by enumerating every prefix."""
     from specrun.runtime.sampling import SamplingTensors, target_probs
@@ -153,6 +174,14 @@ def _exact_three_token_law(target, prompt, params) -> dict[tuple[int, ...], floa
             SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=3),
             TreeShape(3, 2, 6),
         ),
+        # Stochastic trees: sampled drafts, recursive rejection sampling.
+        ("eagle3", SamplingParams(temperature=1.0, max_new_tokens=3), TreeShape(2, 3, 7, True)),
+        (
+            "eagle1",
+            SamplingParams(temperature=0.8, top_k=6, max_new_tokens=3),
+            TreeShape(3, 2, 6, True),
+        ),
+        ("perfect", SamplingParams(temperature=1.0, max_new_tokens=3), TreeShape(2, 4, 9, True)),
     ],
 )
 def test_speculative_sampling_is_lossless(kind, params, shape):

@@ -40,7 +40,8 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, capsys):
+@pytest.mark.parametrize("stochastic", [False, True], ids=["top-k", "stochastic"])
+def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, capsys, stochastic):
     target = random_llama(tiny_config(), seed=0)
     draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
     json_path = tmp_path / "eval.jsonl"
@@ -48,9 +49,10 @@ def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, ca
     argv += ["--prompts", str(prompts_file), "--temperatures", "0", "1", "--max-new-tokens", "10"]
     argv += ["--depth", "3", "--topk", "2", "--nodes", "5", "--ignore-eos", "--json"]
     argv += [str(json_path), "--device", "cpu", "--dtype", "float32"]
-    assert main(argv) == 0
+    assert main(argv + ["--stochastic"] * stochastic) == 0
     records = [json.loads(line) for line in json_path.read_text().splitlines()]
     assert [r["temperature"] for r in records] == [0.0, 1.0]
+    assert [r["stochastic"] for r in records] == [stochastic] * 2
     for record in records:
         assert record["num_prompts"] == 3 and record["num_generated_tokens"] == 30
         assert len(record["accepted_histogram"]) == 4

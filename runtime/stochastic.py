@@ -1,0 +1,293 @@
+"""Stochastic draft trees: sampled drafts verified by recursive rejection sampling.
+
+A deterministic tree (the head's top-k, runtime/draft.py) can accept at most the target's
+probability mass on its paths, which at temperature 1 is small for a flat target. Here rows
+that sample draft their children *by sampling from the head* and the verifier accepts them by
+recursive rejection sampling (RRS) without replacement, which is exact for any draft
+distribution; greedy rows in the same batch keep the deterministic tree and the greedy walk.
+
+Drafting (stochastic beam search, Kool et al. 2019). A node v with draft distribution
+q_v = softmax(logits / T) takes as children the Gumbel-top-K of log q_v: the first K of a
+sequence of draws from q_v without replacement, in draw order. Each child's score is its
+Gumbel-perturbed cumulative log-probability conditioned to be at most its parent's score (the
+first child's equals it). Frontier and rerank then run unchanged on those scores.
+
+Why verification stays exact (the conditions RRS needs at every node it visits):
+- the kept children of v are a prefix of v's draw sequence: scores fall along it, and a
+  node's descendants never outrank it (conditioning; ties go to the lower candidate index);
+- whether child i is kept depends on its score and on nodes scoring above it, never on its
+  identity: in the Gumbel process the i-th draw's identity is independent of its perturbed
+  value given the draws before it, and no node scoring above child i descends from it;
+- so, given the path and the earlier siblings, child i is a draw from q_v without them.
+At v the verifier tries the kept children in order: accept child x with probability
+min(1, r(x) / q(x)), where r starts as the target distribution p_v and q as q_v; on rejection
+r <- normalise(max(r - q, 0)) and x leaves q. If no child is accepted, the bonus token is drawn
+from r. The emitted token is then distributed as p_v exactly (the classic speculative-sampling
+identity at each try). Children with q(x) = 0 (a Gumbel-top-K past q's support) are skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.eagle import DraftHead
+from .draft import Frontier, PendingPairs, draft_extend, next_level, run_frontier
+from .kv_cache import KVCache
+from .sampling import SamplingTensors, sample, target_probs
+from .tree import (
+    Candidates,
+    Tree,
+    TreeShape,
+    kept_candidates,
+    layout_tree,
+    stable_topk,
+)
+from .verify import Acceptance, accept
+
+
+@dataclass
+class DraftDistributions:
+    """What rejection sampling needs of a stochastic tree's draft.
+
+    probs: [B, R, V_draft] float32 draft distributions of the nodes that drafted children: row
+        0 the root's, then K rows per level 1..D-1 (that level's frontier, in frontier order).
+    node_row: [B, N] int64 each tree node's row of `probs` (-1: it drafted no children).
+    node_draft_id: [B, N] int64 each node's token as a draft id (root: 0, unused).
+    """
+
+    probs: torch.Tensor
+    node_row: torch.Tensor
+    node_draft_id: torch.Tensor
+
+
+def _conditioned_gumbel(phi: torch.Tensor, z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Gumbels g whose maximum is z, moved to have maximum phi: -log(e^-phi - e^-z + e^-g),
+    in the numerically stable form of Kool et al. (2019), appendix B."""
+    u = g - z
+    log1mexp = torch.where(u > -0.6931, torch.log(-torch.expm1(u)), torch.log1p(-torch.exp(u)))
+    v = phi - g + log1mexp
+    out = phi - v.clamp_min(0) - torch.log1p(torch.exp(-v.abs()))
+    return torch.nan_to_num(out, nan=float("-inf"))
+
+
+def sampled_children(
+    logits: torch.Tensor,
+    parent_scores: torch.Tensor,
+    parent_logp: torch.Tensor,
+    topk: int,
+    sampling: SamplingTensors,
+) -> tuple[torch.Tensor, ...]:
+    """The K children of each of P parents per row.
+
+    Args:
+        logits: [B, P, V] draft logits of the parents' children.
+        parent_scores, parent_logp: [B, P] float32 the parents' scores and cumulative
+            log-probabilities (both 0 for the root).
+        sampling: per-row parameters; rows with temperature > 0 sample.
+    Returns:
+        draft ids [B, P, K] (draw order), scores [B, P, K], cumulative log-probabilities
+        [B, P, K] and the parents' draft distributions [B, P, V] float32. Greedy rows get the
+        head's top-k and deterministic scores, as `expand_level` gives them.
+    """
+    temperature = sampling.temperature.float().view(-1, 1, 1)
+    samples = temperature > 0
+    log_q = (logits.float() / torch.where(samples, temperature, 1.0)).log_softmax(-1)
+    noise = torch.empty_like(log_q).exponential_(1.0)
+    gumbel = -noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
+    perturbed, ids = torch.where(samples, log_q + gumbel, log_q).topk(topk, dim=-1)
+    child_logq = log_q.gather(-1, ids)
+    parent_scores, parent_logp = parent_scores[..., None], parent_logp[..., None]
+    logp = parent_logp + child_logq
+    fixed = torch.minimum(parent_scores + child_logq, parent_scores)
+    drawn = _conditioned_gumbel(
+        parent_scores, parent_logp + perturbed[..., :1], parent_logp + perturbed
+    )
+    return ids, torch.where(samples, drawn, fixed), logp, log_q.exp()
+
+
+def draft_stochastic_tree(
+    head: DraftHead,
+    cache: KVCache,
+    pending: PendingPairs,
+    root: torch.Tensor,
+    shape: TreeShape,
+    sampling: SamplingTensors,
+) -> tuple[Tree, DraftDistributions]:
+    """Draft one round's tree, sampling the children of rows that sample (module docstring).
+
+    Args: as `draft_tree` (runtime/draft.py), plus the state's per-row `sampling`.
+    """
+    root_feature, root_logits = draft_extend(head, cache, pending)
+    batch, topk = root.shape[0], shape.topk
+    device = root.device
+    zeros = torch.zeros(batch, 1, device=device)
+    ids, scores, logp, root_q = sampled_children(root_logits[:, None], zeros, zeros, topk, sampling)
+    ids, scores, logp = ids[:, 0], scores[:, 0], logp[:, 0]
+    tokens = head.to_target_ids(ids)
+    cands = Candidates(tokens, scores, torch.full_like(tokens, -1))
+    draft_ids, probs = [ids], [root_q]
+    candidate = torch.arange(topk, device=device).expand(batch, -1)
+    # Candidate -> row of `probs` for candidates that are expanded (every level-1 candidate).
+    rows = [candidate + 1]
+    frontier = Frontier(
+        tokens=tokens,
+        features=root_feature[:, None].expand(-1, topk, -1),
+        scores=scores,
+        candidate=candidate,
+        anc=torch.zeros(batch, topk, 0, dtype=torch.bool, device=device),
+    )
+    side: tuple[torch.Tensor, torch.Tensor] | None = None
+    for level in range(1, shape.depth):
+        out, visible, side = run_frontier(head, cache, frontier, side, level)
+        ids, scores, child_logp, q = sampled_children(
+            out.logits, frontier.scores, logp, topk, sampling
+        )
+        ids, scores, child_logp = (x.flatten(1) for x in (ids, scores, child_logp))
+        parent = torch.arange(topk, device=device).repeat_interleave(topk).expand(batch, -1)
+        chosen = stable_topk(scores, topk)
+        frontier, level_cands = next_level(
+            head.to_target_ids(ids), scores, parent, chosen,
+            frontier=frontier, out=out, visible=visible, level=level, shape=shape,
+        )  # fmt: skip
+        logp = child_logp.gather(1, chosen)
+        cands = Candidates(
+            torch.cat([cands.tokens, level_cands.tokens], 1),
+            torch.cat([cands.scores, level_cands.scores], 1),
+            torch.cat([cands.parent, level_cands.parent], 1),
+        )
+        draft_ids.append(ids)
+        probs.append(q)
+        if level + 1 < shape.depth:
+            rows.append(_candidate_rows(frontier.candidate, chosen, level, shape))
+    kept = kept_candidates(cands.scores, shape)
+    tree = layout_tree(root, cands, shape, kept)
+    return tree, _distributions(kept, rows, torch.cat(draft_ids, 1), torch.cat(probs, 1), shape)
+
+
+def _candidate_rows(candidate, chosen, level: int, shape: TreeShape) -> torch.Tensor:
+    """[B, K*K] rows of `probs` for the level-(level+1) candidates: the chosen ones (the next
+    frontier, expanded at the next level) get theirs, the others -1."""
+    batch, topk = chosen.shape
+    first_row = 1 + level * topk
+    level_rows = torch.full((batch, topk * topk), -1, dtype=torch.int64, device=chosen.device)
+    frontier_rows = first_row + torch.arange(topk, device=chosen.device).expand(batch, -1)
+    return level_rows.scatter(1, chosen, frontier_rows)
+
+
+def _distributions(kept, rows, draft_ids, probs, shape: TreeShape) -> DraftDistributions:
+    """The kept nodes' rows and draft ids (root first), with every expanded node's q."""
+    num_candidates = shape.num_candidates
+    batch = kept.shape[0]
+    cand_rows = torch.cat(rows, 1)
+    missing = num_candidates - cand_rows.shape[1]  # the last level is never expanded
+    cand_rows = torch.nn.functional.pad(cand_rows, (0, missing), value=-1)
+    root_column = torch.zeros(batch, 1, dtype=torch.int64, device=kept.device)
+    return DraftDistributions(
+        probs=probs,
+        node_row=torch.cat([root_column, cand_rows.gather(1, kept)], 1),
+        node_draft_id=torch.cat([root_column, draft_ids.gather(1, kept)], 1),
+    )
+
+
+def accept_stochastic(
+    tree: Tree,
+    logits: torch.Tensor,
+    draft: DraftDistributions,
+    draft_to_target: torch.Tensor,
+    sampling: SamplingTensors,
+    *,
+    shape: TreeShape,
+) -> Acceptance:
+    """Walk the tree by recursive rejection sampling (rows that sample) or by the greedy walk
+    (greedy rows); see the module docstring. D + 1 levels of K tries, masked, no host sync.
+
+    Args:
+        tree: the round's tree ([B, N]).
+        logits: [B, N, V] the target's logits at every node.
+        draft: the draft's distributions (`draft_stochastic_tree`).
+        draft_to_target: [V_draft] int64 the target id of every draft id.
+        sampling: per-row parameters.
+        shape: the tree's (D, K, N).
+    """
+    depth = shape.depth
+    probs = target_probs(logits, sampling)
+    greedy = accept(tree, probs.argmax(-1), depth=depth)
+    batch, num_nodes = tree.parent.shape
+    device = logits.device
+    rows = torch.arange(batch, device=device)
+    current = torch.zeros(batch, dtype=torch.int64, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    num_accepted = torch.zeros_like(current)
+    bonus = torch.zeros_like(current)
+    path = [current]
+    not_root = torch.arange(num_nodes, device=device) > 0
+    for level in range(depth + 1):
+        p = probs[rows, current]
+        r, r_out = _split_mass(p, draft_to_target)
+        p_out = r_out
+        q = draft.probs[rows, draft.node_row[rows, current].clamp_min(0)]
+        moved = torch.zeros_like(alive)
+        nxt = current
+        if level < depth:
+            is_child = (tree.parent == current[:, None]) & not_root
+            rank = is_child.long().cumsum(1) - 1
+            for i in range(shape.topk):
+                slot = is_child & (rank == i)
+                node = slot.int().argmax(-1)
+                x = draft.node_draft_id[rows, node]
+                q_x, r_x = q[rows, x], r[rows, x]
+                tries = alive & ~moved & slot.any(-1) & (q_x > 0)
+                take = tries & (torch.rand_like(q_x) * q_x < r_x)
+                nxt = torch.where(take, node, nxt)
+                moved |= take
+                r, r_out, q = _reject(r, r_out, q, x, tries & ~take)
+        stop = alive & ~moved
+        bonus = torch.where(stop, _draw_residual(p, r, r_out, p_out, draft_to_target), bonus)
+        if level < depth:
+            alive &= moved
+            current = nxt
+            num_accepted += moved.long()
+            path.append(current)
+    stochastic = Acceptance(torch.stack(path, dim=1), num_accepted, bonus)
+    samples = sampling.temperature > 0
+    return Acceptance(
+        torch.where(samples[:, None], stochastic.path, greedy.path),
+        torch.where(samples, stochastic.num_accepted, greedy.num_accepted),
+        torch.where(samples, stochastic.bonus, greedy.bonus),
+    )
+
+
+def _split_mass(p: torch.Tensor, draft_to_target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """p [B, V] -> (its mass on each draft id [B, V_draft], its mass outside them [B])."""
+    r = p.index_select(1, draft_to_target)
+    return r, (1 - r.sum(-1)).clamp_min(0)
+
+
+def _reject(r, r_out, q, x, rejected):
+    """Where `rejected` (a draw x [B] from q): r <- normalise(max(r - q, 0)), the mass outside
+    the draft vocabulary (r_out [B], which q never covers) renormalised with it, and x leaves
+    q. A residual of no mass (r == q up to rounding, so x was accepted but for rounding) keeps
+    r as it was."""
+    tiny = torch.finfo(r.dtype).tiny
+    residual = (r - q).clamp_min(0)
+    total = residual.sum(-1) + r_out
+    keep = ~rejected | (total <= tiny)
+    total = total.clamp_min(tiny)
+    q_left = q.scatter(1, x[:, None], 0.0)
+    q_left = q_left / q_left.sum(-1, keepdim=True).clamp_min(tiny)
+    return (
+        torch.where(keep[:, None], r, residual / total[:, None]),
+        torch.where(keep, r_out, r_out / total),
+        torch.where(keep[:, None], q, q_left),
+    )
+
+
+def _draw_residual(p, r, r_out, p_out, draft_to_target: torch.Tensor) -> torch.Tensor:
+    """One draw per row [B] from the residual: r [B, V_draft] on the draft vocabulary, and
+    outside it p's own shape scaled from its mass p_out [B] to r_out [B]."""
+    tiny = torch.finfo(p.dtype).tiny
+    scale = torch.where(p_out > tiny, r_out / p_out.clamp_min(tiny), 0.0)
+    residual = (p * scale[:, None]).index_copy(1, draft_to_target, r)
+    return sample(residual)
