@@ -160,15 +160,16 @@ def draft_stochastic_tree(
         draft_ids.append(ids)
         probs.append(q)
         if level + 1 < shape.depth:
-            rows.append(_candidate_rows(frontier.candidate, chosen, level, shape))
+            rows.append(_candidate_rows(chosen, level))
     kept = kept_candidates(cands.scores, shape)
     tree = layout_tree(root, cands, shape, kept)
     return tree, _distributions(kept, rows, torch.cat(draft_ids, 1), torch.cat(probs, 1), shape)
 
 
-def _candidate_rows(candidate, chosen, level: int, shape: TreeShape) -> torch.Tensor:
-    """[B, K*K] rows of `probs` for the level-(level+1) candidates: the chosen ones (the next
-    frontier, expanded at the next level) get theirs, the others -1."""
+def _candidate_rows(chosen: torch.Tensor, level: int) -> torch.Tensor:
+    """[B, K*K] rows of `probs` for the level-(level+1) candidates, given the chosen [B, K]
+    among them: those (the next frontier, expanded at the next level) get theirs, the
+    others -1."""
     batch, topk = chosen.shape
     first_row = 1 + level * topk
     level_rows = torch.full((batch, topk * topk), -1, dtype=torch.int64, device=chosen.device)
