@@ -96,11 +96,22 @@ def draft_tree(
     """
     root_feature, root_logits = draft_extend(head, cache, pending)
     tokens, scores = first_level(root_logits, shape.topk)
-    tokens = head.to_target_ids(tokens)
+    frontier, cands = first_frontier(head.to_target_ids(tokens), scores, root_feature)
+    side: tuple[torch.Tensor, torch.Tensor] | None = None
+    for level in range(1, shape.depth):
+        frontier, side, level_cands = _expand(head, cache, frontier, side, level, shape)
+        cands = cands.then(level_cands)
+    return rerank(root, cands, shape)
+
+
+def first_frontier(
+    tokens: torch.Tensor, scores: torch.Tensor, root_feature: torch.Tensor
+) -> tuple[Frontier, Candidates]:
+    """Level 1: the root's K children (tokens [B, K] target ids, scores [B, K]), each fed the
+    root's feature [B, H], as the first frontier and the first candidates."""
     batch, topk = tokens.shape
     device = tokens.device
     candidate = torch.arange(topk, device=device).expand(batch, -1)
-    cands = Candidates(tokens, scores, torch.full_like(tokens, -1))
     frontier = Frontier(
         tokens=tokens,
         features=root_feature[:, None].expand(-1, topk, -1),
@@ -108,15 +119,7 @@ def draft_tree(
         candidate=candidate,
         anc=torch.zeros(batch, topk, 0, dtype=torch.bool, device=device),
     )
-    side: tuple[torch.Tensor, torch.Tensor] | None = None
-    for level in range(1, shape.depth):
-        frontier, side, level_cands = _expand(head, cache, frontier, side, level, shape)
-        cands = Candidates(
-            torch.cat([cands.tokens, level_cands.tokens], 1),
-            torch.cat([cands.scores, level_cands.scores], 1),
-            torch.cat([cands.parent, level_cands.parent], 1),
-        )
-    return rerank(root, cands, shape)
+    return frontier, Candidates(tokens, scores, torch.full_like(tokens, -1))
 
 
 def _expand(

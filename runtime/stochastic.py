@@ -33,11 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from ..models.eagle import DraftHead
-from .draft import Frontier, PendingPairs, draft_extend, next_level, run_frontier
+from .draft import PendingPairs, draft_extend, first_frontier, next_level, run_frontier
 from .kv_cache import KVCache
 from .sampling import SamplingTensors, sample, target_probs
 from .tree import (
-    Candidates,
     Tree,
     TreeShape,
     kept_candidates,
@@ -125,19 +124,10 @@ def draft_stochastic_tree(
     zeros = torch.zeros(batch, 1, device=device)
     ids, scores, logp, root_q = sampled_children(root_logits[:, None], zeros, zeros, topk, sampling)
     ids, scores, logp = ids[:, 0], scores[:, 0], logp[:, 0]
-    tokens = head.to_target_ids(ids)
-    cands = Candidates(tokens, scores, torch.full_like(tokens, -1))
+    frontier, cands = first_frontier(head.to_target_ids(ids), scores, root_feature)
     draft_ids, probs = [ids], [root_q]
-    candidate = torch.arange(topk, device=device).expand(batch, -1)
     # Candidate -> row of `probs` for candidates that are expanded (every level-1 candidate).
-    rows = [candidate + 1]
-    frontier = Frontier(
-        tokens=tokens,
-        features=root_feature[:, None].expand(-1, topk, -1),
-        scores=scores,
-        candidate=candidate,
-        anc=torch.zeros(batch, topk, 0, dtype=torch.bool, device=device),
-    )
+    rows = [frontier.candidate + 1]
     side: tuple[torch.Tensor, torch.Tensor] | None = None
     for level in range(1, shape.depth):
         out, visible, side = run_frontier(head, cache, frontier, side, level)
@@ -152,11 +142,7 @@ def draft_stochastic_tree(
             frontier=frontier, out=out, visible=visible, level=level, shape=shape,
         )  # fmt: skip
         logp = child_logp.gather(1, chosen)
-        cands = Candidates(
-            torch.cat([cands.tokens, level_cands.tokens], 1),
-            torch.cat([cands.scores, level_cands.scores], 1),
-            torch.cat([cands.parent, level_cands.parent], 1),
-        )
+        cands = cands.then(level_cands)
         draft_ids.append(ids)
         probs.append(q)
         if level + 1 < shape.depth:

@@ -83,6 +83,14 @@ class Candidates:
     scores: torch.Tensor
     parent: torch.Tensor
 
+    def then(self, level: Candidates) -> Candidates:
+        """These candidates followed by the next level's."""
+        return Candidates(
+            torch.cat([self.tokens, level.tokens], 1),
+            torch.cat([self.scores, level.scores], 1),
+            torch.cat([self.parent, level.parent], 1),
+        )
+
 
 def first_level(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K best children of the root.
