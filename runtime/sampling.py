@@ -70,10 +70,15 @@ def draw_tokens(
     logits = logits.float()
     temperature = sampling.temperature.view((-1,) + (1,) * (logits.dim() - 1))
     greedy = temperature == 0
-    noise = torch.empty_like(logits).exponential_(1.0, generator=generator)
-    gumbel = -noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
+    gumbel = gumbel_like(logits, generator)
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)
     return _chunked_argmax(torch.where(greedy, logits, scaled + gumbel))
+
+
+def gumbel_like(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard Gumbel noise shaped like float x: -log E with E ~ Exp(1)."""
+    noise = torch.empty_like(x).exponential_(1.0, generator=generator)
+    return -noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
 
 
 def _chunked_argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:

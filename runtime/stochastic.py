@@ -35,14 +35,8 @@ import torch
 from ..models.eagle import DraftHead
 from .draft import PendingPairs, draft_extend, first_frontier, next_level, run_frontier
 from .kv_cache import KVCache
-from .sampling import SamplingTensors, sample, target_probs
-from .tree import (
-    Tree,
-    TreeShape,
-    kept_candidates,
-    layout_tree,
-    stable_topk,
-)
+from .sampling import SamplingTensors, gumbel_like, sample, target_probs
+from .tree import Tree, TreeShape, child_scores, choose_frontier, kept_candidates, layout_tree
 from .verify import Acceptance, accept
 
 
@@ -93,13 +87,11 @@ def sampled_children(
     temperature = sampling.temperature.float().view(-1, 1, 1)
     samples = temperature > 0
     log_q = (logits.float() / torch.where(samples, temperature, 1.0)).log_softmax(-1)
-    noise = torch.empty_like(log_q).exponential_(1.0)
-    gumbel = -noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
-    perturbed, ids = torch.where(samples, log_q + gumbel, log_q).topk(topk, dim=-1)
+    perturbed, ids = torch.where(samples, log_q + gumbel_like(log_q), log_q).topk(topk, dim=-1)
     child_logq = log_q.gather(-1, ids)
     parent_scores, parent_logp = parent_scores[..., None], parent_logp[..., None]
     logp = parent_logp + child_logq
-    fixed = torch.minimum(parent_scores + child_logq, parent_scores)
+    fixed = child_scores(parent_scores, child_logq)
     drawn = _conditioned_gumbel(
         parent_scores, parent_logp + perturbed[..., :1], parent_logp + perturbed
     )
@@ -134,9 +126,8 @@ def draft_stochastic_tree(
         ids, scores, child_logp, q = sampled_children(
             out.logits, frontier.scores, logp, topk, sampling
         )
-        ids, scores, child_logp = (x.flatten(1) for x in (ids, scores, child_logp))
-        parent = torch.arange(topk, device=device).repeat_interleave(topk).expand(batch, -1)
-        chosen = stable_topk(scores, topk)
+        ids, scores, parent, chosen = choose_frontier(ids, scores)
+        child_logp = child_logp.flatten(1)
         frontier, level_cands = next_level(
             head.to_target_ids(ids), scores, parent, chosen,
             frontier=frontier, out=out, visible=visible, level=level, shape=shape,
@@ -188,7 +179,8 @@ def accept_stochastic(
     shape: TreeShape,
 ) -> Acceptance:
     """Walk the tree by recursive rejection sampling (rows that sample) or by the greedy walk
-    (greedy rows); see the module docstring. D + 1 levels of K tries, masked, no host sync.
+    (greedy rows); see the module docstring. D levels of K tries, masked, no host sync;
+    one draw of the bonus from the residual where each row stopped.
 
     Args:
         tree: the round's tree ([B, N]).
@@ -207,36 +199,41 @@ def accept_stochastic(
     current = torch.zeros(batch, dtype=torch.int64, device=device)
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     num_accepted = torch.zeros_like(current)
-    bonus = torch.zeros_like(current)
     path = [current]
     not_root = torch.arange(num_nodes, device=device) > 0
-    for level in range(depth + 1):
-        p = probs[rows, current]
-        r, r_out = _split_mass(p, draft_to_target)
-        p_out = r_out
+    # The residual (on the draft vocabulary, and the mass outside it) where each row stopped.
+    stopped_r = torch.zeros(batch, draft.probs.shape[-1], device=device)
+    stopped_r_out = torch.zeros(batch, device=device)
+    for _ in range(depth):
+        r, r_out = _split_mass(probs[rows, current], draft_to_target)
         q = draft.probs[rows, draft.node_row[rows, current].clamp_min(0)]
         moved = torch.zeros_like(alive)
         nxt = current
-        if level < depth:
-            is_child = (tree.parent == current[:, None]) & not_root
-            rank = is_child.long().cumsum(1) - 1
-            for i in range(shape.topk):
-                slot = is_child & (rank == i)
-                node = slot.int().argmax(-1)
-                x = draft.node_draft_id[rows, node]
-                q_x, r_x = q[rows, x], r[rows, x]
-                tries = alive & ~moved & slot.any(-1) & (q_x > 0)
-                take = tries & (torch.rand_like(q_x) * q_x < r_x)
-                nxt = torch.where(take, node, nxt)
-                moved |= take
-                r, r_out, q = _reject(r, r_out, q, x, tries & ~take)
+        is_child = (tree.parent == current[:, None]) & not_root
+        rank = is_child.long().cumsum(1) - 1
+        for i in range(shape.topk):
+            slot = is_child & (rank == i)
+            node = slot.int().argmax(-1)
+            x = draft.node_draft_id[rows, node]
+            q_x, r_x = q[rows, x], r[rows, x]
+            tries = alive & ~moved & slot.any(-1) & (q_x > 0)
+            take = tries & (torch.rand_like(q_x) * q_x < r_x)
+            nxt = torch.where(take, node, nxt)
+            moved |= take
+            r, r_out, q = _reject(r, r_out, q, x, tries & ~take)
         stop = alive & ~moved
-        bonus = torch.where(stop, _draw_residual(p, r, r_out, p_out, draft_to_target), bonus)
-        if level < depth:
-            alive &= moved
-            current = nxt
-            num_accepted += moved.long()
-            path.append(current)
+        stopped_r = torch.where(stop[:, None], r, stopped_r)
+        stopped_r_out = torch.where(stop, r_out, stopped_r_out)
+        alive &= moved
+        current = nxt
+        num_accepted += moved.long()
+        path.append(current)
+    # Every row ends at the node it stopped at; rows that never stopped draw from its p whole.
+    p = probs[rows, current]
+    r, p_out = _split_mass(p, draft_to_target)
+    stopped_r = torch.where(alive[:, None], r, stopped_r)
+    stopped_r_out = torch.where(alive, p_out, stopped_r_out)
+    bonus = _draw_residual(p, stopped_r, stopped_r_out, p_out, draft_to_target)
     stochastic = Acceptance(torch.stack(path, dim=1), num_accepted, bonus)
     samples = sampling.temperature > 0
     return Acceptance(

@@ -117,13 +117,26 @@ def expand_level(
         parent [B, K*K] frontier index of each child, and next_frontier [B, K]: indices into
         the K*K children of the new frontier, best first.
     """
-    batch = logits.shape[0]
     child_logp, tokens = log_softmax_topk(logits, topk)
-    scores = torch.minimum(frontier_scores[..., None] + child_logp, frontier_scores[..., None])
+    return choose_frontier(tokens, child_scores(frontier_scores[..., None], child_logp))
+
+
+def child_scores(parent_scores: torch.Tensor, child_logp: torch.Tensor) -> torch.Tensor:
+    """Cumulative scores of children: parent's plus the child's log-probability, never above
+    the parent's (rounding aside, log-probs are <= 0; this keeps kept sets ancestor-closed)."""
+    return torch.minimum(parent_scores + child_logp, parent_scores)
+
+
+def choose_frontier(
+    tokens: torch.Tensor, scores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The K children of each of K frontier nodes (tokens, scores [B, K, K]) as one level:
+    flattened (child j of node f at f*K + j), each one's parent frontier index, and the next
+    frontier [B, K] (the best K, ties to the lower index). See `expand_level`."""
+    batch, topk = tokens.shape[:2]
     scores, tokens = scores.reshape(batch, -1), tokens.reshape(batch, -1)
-    parent = torch.arange(topk, device=logits.device).repeat_interleave(topk).expand(batch, -1)
-    next_frontier = stable_topk(scores, topk)
-    return tokens, scores, parent, next_frontier
+    parent = torch.arange(topk, device=tokens.device).repeat_interleave(topk).expand(batch, -1)
+    return tokens, scores, parent, stable_topk(scores, topk)
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

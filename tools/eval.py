@@ -23,7 +23,7 @@ from ..runtime.config import EngineConfig, SamplingParams
 from ..runtime.distill.data import read_prompts
 from ..runtime.engine import Engine, EngineStats
 from ..runtime.tree import TreeShape
-from .eval_plot import check_plotting, plot_records
+from .eval_plot import check_plotting, plot_records, tree_label
 from .generate import add_tree_arguments, tree_shape
 
 
@@ -222,7 +222,7 @@ def format_table(records: list[dict]) -> str:
     )
     rows = [header, "-" * len(header)]
     for r in records:
-        tree = f"{r['depth']},{r['topk']},{r['nodes']}" + (",s" if r.get("stochastic") else "")
+        tree = tree_label(r)
         rows.append(
             f"{tree:>9} {r['temperature']:>6.2f} {r['mean_accepted_length']:>10.2f} "
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "

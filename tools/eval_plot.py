@@ -51,7 +51,9 @@ def check_plotting() -> None:
 
 
 def tree_label(record: dict) -> str:
-    return f"{record['depth']},{record['topk']},{record['nodes']}"
+    """'D,K,N', with ',s' for a stochastic tree."""
+    suffix = ",s" if record.get("stochastic") else ""
+    return f"{record['depth']},{record['topk']},{record['nodes']}{suffix}"
 
 
 def series_label(record: dict) -> str:
