@@ -34,6 +34,7 @@ import torch
 
 from ..models.eagle import DraftHead
 from .draft import PendingPairs, draft_extend, first_frontier, next_level, run_frontier
+from .kernels.rejection import rejection_walk, split_mass
 from .kv_cache import KVCache
 from .sampling import SamplingTensors, gumbel_like, sample, target_probs
 from .tree import Tree, TreeShape, child_scores, choose_frontier, kept_candidates, layout_tree
@@ -178,9 +179,9 @@ def accept_stochastic(
     *,
     shape: TreeShape,
 ) -> Acceptance:
-    """Walk the tree by recursive rejection sampling (rows that sample) or by the greedy walk
-    (greedy rows); see the module docstring. D levels of K tries, masked, no host sync;
-    one draw of the bonus from the residual where each row stopped.
+    """Walk the tree by recursive rejection sampling (rows that sample; `rt::rejection_walk`)
+    or by the greedy walk (greedy rows); see the module docstring. No host sync; one draw of
+    the bonus from the residual where each row stopped.
 
     Args:
         tree: the round's tree ([B, N]).
@@ -190,81 +191,22 @@ def accept_stochastic(
         sampling: per-row parameters.
         shape: the tree's (D, K, N).
     """
-    depth = shape.depth
     probs = target_probs(logits, sampling)
-    greedy = accept(tree, probs.argmax(-1), depth=depth)
-    batch, num_nodes = tree.parent.shape
-    device = logits.device
-    rows = torch.arange(batch, device=device)
-    current = torch.zeros(batch, dtype=torch.int64, device=device)
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
-    num_accepted = torch.zeros_like(current)
-    path = [current]
-    not_root = torch.arange(num_nodes, device=device) > 0
-    # The residual (on the draft vocabulary, and the mass outside it) where each row stopped.
-    stopped_r = torch.zeros(batch, draft.probs.shape[-1], device=device)
-    stopped_r_out = torch.zeros(batch, device=device)
-    for _ in range(depth):
-        r, r_out = _split_mass(probs[rows, current], draft_to_target)
-        q = draft.probs[rows, draft.node_row[rows, current].clamp_min(0)]
-        moved = torch.zeros_like(alive)
-        nxt = current
-        is_child = (tree.parent == current[:, None]) & not_root
-        rank = is_child.long().cumsum(1) - 1
-        for i in range(shape.topk):
-            slot = is_child & (rank == i)
-            node = slot.int().argmax(-1)
-            x = draft.node_draft_id[rows, node]
-            q_x, r_x = q[rows, x], r[rows, x]
-            tries = alive & ~moved & slot.any(-1) & (q_x > 0)
-            take = tries & (torch.rand_like(q_x) * q_x < r_x)
-            nxt = torch.where(take, node, nxt)
-            moved |= take
-            r, r_out, q = _reject(r, r_out, q, x, tries & ~take)
-        stop = alive & ~moved
-        stopped_r = torch.where(stop[:, None], r, stopped_r)
-        stopped_r_out = torch.where(stop, r_out, stopped_r_out)
-        alive &= moved
-        current = nxt
-        num_accepted += moved.long()
-        path.append(current)
-    # Every row ends at the node it stopped at; rows that never stopped draw from its p whole.
-    p = probs[rows, current]
-    r, p_out = _split_mass(p, draft_to_target)
-    stopped_r = torch.where(alive[:, None], r, stopped_r)
-    stopped_r_out = torch.where(alive, p_out, stopped_r_out)
-    bonus = _draw_residual(p, stopped_r, stopped_r_out, p_out, draft_to_target)
-    stochastic = Acceptance(torch.stack(path, dim=1), num_accepted, bonus)
+    greedy = accept(tree, probs.argmax(-1), depth=shape.depth)
+    batch = probs.shape[0]
+    uniforms = torch.rand(batch, shape.depth, shape.topk, device=probs.device)
+    path, num_accepted, residual, residual_out = rejection_walk(
+        probs, tree.parent, draft.node_row, draft.node_draft_id, draft.probs,
+        draft_to_target, uniforms,
+    )  # fmt: skip
+    p = probs[torch.arange(batch, device=probs.device), path[:, -1]]
+    _, p_out = split_mass(p, draft_to_target)
+    bonus = _draw_residual(p, residual, residual_out, p_out, draft_to_target)
     samples = sampling.temperature > 0
     return Acceptance(
-        torch.where(samples[:, None], stochastic.path, greedy.path),
-        torch.where(samples, stochastic.num_accepted, greedy.num_accepted),
-        torch.where(samples, stochastic.bonus, greedy.bonus),
-    )
-
-
-def _split_mass(p: torch.Tensor, draft_to_target: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """p [B, V] -> (its mass on each draft id [B, V_draft], its mass outside them [B])."""
-    r = p.index_select(1, draft_to_target)
-    return r, (1 - r.sum(-1)).clamp_min(0)
-
-
-def _reject(r, r_out, q, x, rejected):
-    """Where `rejected` (a draw x [B] from q): r <- normalise(max(r - q, 0)), the mass outside
-    the draft vocabulary (r_out [B], which q never covers) renormalised with it, and x leaves
-    q. A residual of no mass (r == q up to rounding, so x was accepted but for rounding) keeps
-    r as it was."""
-    tiny = torch.finfo(r.dtype).tiny
-    residual = (r - q).clamp_min(0)
-    total = residual.sum(-1) + r_out
-    keep = ~rejected | (total <= tiny)
-    total = total.clamp_min(tiny)
-    q_left = q.scatter(1, x[:, None], 0.0)
-    q_left = q_left / q_left.sum(-1, keepdim=True).clamp_min(tiny)
-    return (
-        torch.where(keep[:, None], r, residual / total[:, None]),
-        torch.where(keep, r_out, r_out / total),
-        torch.where(keep[:, None], q, q_left),
+        torch.where(samples[:, None], path, greedy.path),
+        torch.where(samples, num_accepted, greedy.num_accepted),
+        torch.where(samples, bonus, greedy.bonus),
     )
 
 
