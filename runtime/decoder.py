@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import time
 from collections import deque
@@ -170,6 +171,11 @@ class Decoder:
             if prefill:
                 self._prefill_for_warmup(bucket)
             pool_bytes = self._prepare_round(bucket, filtered)
+            # Compiling and capturing leave millions of long-lived objects (FX graphs,
+            # guards, generated code); a full collection scanning them would stall the host
+            # for up to half a second mid-decode, with the GPU idle. Exempt them.
+            gc.collect()
+            gc.freeze()
             seconds = time.perf_counter() - started
             self.warmups[key] = BucketWarmup(bucket, filtered, seconds, pool_bytes)
             logger.info("bucket %d (filtered=%s) ready in %.1f s", bucket, filtered, seconds)
@@ -302,6 +308,7 @@ class Decoder:
             draft_forward=self._prefill_draft,
         )
         self._runner.capture(key, step)
+        gc.freeze()  # as after a round's capture (prepare)
 
     @property
     def prefill_graphs(self) -> list[tuple[int, int]]:
