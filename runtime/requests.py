@@ -54,9 +54,15 @@ def stop_mask(
     """[B, V] bool: token t ends slot b (EOS unless ignore_eos, plus the stop ids)."""
     mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
     for slot, p in enumerate(params):
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        mask[slot, [t for t in stop_ids if t < vocab_size]] = True
+        mask[slot, stop_ids(p, eos_token_ids, vocab_size=vocab_size)] = True
     return mask.to(device)
+
+
+def stop_ids(p: SamplingParams, eos_token_ids: Sequence[int], *, vocab_size: int) -> list[int]:
+    """The ids in the vocabulary that end a request, ascending: its stop ids, and EOS unless
+    ignore_eos."""
+    ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+    return sorted(t for t in ids if t < vocab_size)
 
 
 def seeded_rng(params: Sequence[SamplingParams], device: torch.device | str):

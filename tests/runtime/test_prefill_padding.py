@@ -27,7 +27,9 @@ from specrun.runtime.prefill import (
     prefill_graph_length,
     reset_requests,
 )
+from specrun.runtime.requests import stop_mask
 from specrun.runtime.round import SpecState
+from specrun.runtime.sampling import SamplingTensors
 from tiny_models import random_head, random_llama, tiny_config
 
 EOS = (11,)
@@ -110,6 +112,37 @@ def test_running_the_forwards_again_rebuilds_the_same_state(models):
         report_twice = prefill_forwards(target, head, twice, tokens, lengths)
     assert torch.equal(report_twice, report_once)
     _assert_same_state(twice, once)
+
+
+request_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7, 1.0, 1.3]),
+    top_k=st.integers(0, 96),
+    top_p=st.sampled_from([1.0, 0.9, 0.123]),
+    max_new_tokens=st.integers(0, 40),
+    stop_token_ids=st.lists(st.integers(0, 120), max_size=4).map(tuple),
+    ignore_eos=st.booleans(),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(params=st.lists(request_params, min_size=1, max_size=4))
+def test_reset_requests_writes_every_requests_fields(models, params):
+    """The packed transfer leaves what building each field from the params gives, whatever
+    a stale earlier batch left."""
+    target, head = models
+    vocab_size = target.config.vocab_size
+    state = _state(target, head, len(params))
+    state.stop_mask.fill_(True)
+    state.done.fill_(True)
+    reset_requests(state, params, EOS, vocab_size=vocab_size)
+    want = SamplingTensors.from_params(params, "cpu")
+    for name in ("temperature", "top_k", "top_p"):
+        assert torch.equal(getattr(state.sampling, name), getattr(want, name)), name
+    max_new = torch.tensor([p.max_new_tokens for p in params])
+    assert torch.equal(state.max_new, max_new)
+    assert torch.equal(state.done, max_new == 0)
+    assert torch.equal(state.stop_mask, stop_mask(params, EOS, vocab_size=vocab_size, device="cpu"))
 
 
 def test_graph_lengths_step_by_at_most_half_and_stop_at_the_capacity():
