@@ -207,31 +207,6 @@ def check_rejection_walk_inputs(
 
 
 @triton_op("rt::rejection_walk", mutates_args=())
-def _rejection_walk_op(
-    probs: torch.Tensor,
-    parent: torch.Tensor,
-    node_row: torch.Tensor,
-    node_draft_id: torch.Tensor,
-    draft_probs: torch.Tensor,
-    draft_to_target: torch.Tensor,
-    uniforms: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    args = (probs, parent, node_row, node_draft_id, draft_probs, draft_to_target, uniforms)
-    check_rejection_walk_inputs(*args)
-    # The op body is also its fake impl and what torch.compile inlines: non-CUDA tensors
-    # (CPU, meta) take the reference.
-    if probs.device.type != "cuda":
-        return rejection_walk_ref(*args)
-    return launch_rejection_walk(*(t.contiguous() for t in args))
-
-
-@_rejection_walk_op.register_kernel("cpu")
-def _rejection_walk_cpu(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The op on the CPU: the reference."""
-    check_rejection_walk_inputs(*args)
-    return rejection_walk_ref(*args)
-
-
 def rejection_walk(
     probs: torch.Tensor,
     parent: torch.Tensor,
@@ -265,9 +240,20 @@ def rejection_walk(
         float32 on the draft vocabulary and [B] float32 its mass outside it (a row that
         accepted D drafts: its last node's target distribution, split the same way).
     """
-    return torch.ops.rt.rejection_walk(
-        probs, parent, node_row, node_draft_id, draft_probs, draft_to_target, uniforms
-    )
+    args = (probs, parent, node_row, node_draft_id, draft_probs, draft_to_target, uniforms)
+    check_rejection_walk_inputs(*args)
+    # The op body is also its fake impl and what torch.compile inlines: non-CUDA tensors
+    # (CPU, meta) take the reference.
+    if probs.device.type != "cuda":
+        return rejection_walk_ref(*args)
+    return launch_rejection_walk(*(t.contiguous() for t in args))
+
+
+@rejection_walk.register_kernel("cpu")
+def _rejection_walk_cpu(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The op on the CPU: the reference."""
+    check_rejection_walk_inputs(*args)
+    return rejection_walk_ref(*args)
 
 
 def rejection_walk_ref(
