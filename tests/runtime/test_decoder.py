@@ -7,6 +7,8 @@ decoder token for token whatever the bucket, padding or history of the shared st
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -68,6 +70,22 @@ def test_state_is_reset_between_batches_and_after_an_abandoned_stream(target):
     steps.close()
     for prompts in (PROMPTS[2:4], PROMPTS[:2], PROMPTS[4:]):
         assert decode_tokens(decoder, prompts, params) == _reference(target, prompts, params)
+
+
+def test_preparing_exempts_what_it_built_from_garbage_collection(target):
+    """What compiling leaves alive is frozen (decoder.settle_heap), so no later full
+    collection scans it; preparing again builds nothing and leaves the heap alone."""
+    decoder = _decoder(target, compile=True)
+    gc.unfreeze()
+    decoder.prepare(1)
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    gc.unfreeze()
+    decoder.prepare(1)
+    decoder.warmup(buckets=[1])
+    assert gc.get_freeze_count() == 0
+    decoder.warmup(buckets=[2])
+    assert gc.get_freeze_count() > 0
 
 
 def test_stop_ids_max_new_zero_and_statistics(target):
