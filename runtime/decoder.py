@@ -162,7 +162,6 @@ class Decoder:
             settle_heap()
         return dict(self.warmups)
 
-    @torch.inference_mode()
     def prepare(self, bucket: int, *, filtered: bool = False, prefill: bool = True):
         """Compile one bucket's prefill (unless `prefill` is False) and round variant, and
         capture the round on CUDA. Idempotent. Returns its BucketWarmup. The bucket's state is
