@@ -3,10 +3,11 @@
 `build` compiles everything a decoder will run, inside a private recording scope
 (runtime/graphs/artifacts.py), and writes the artifact directory:
 
-- everything `Decoder.warmup` compiles: every bucket's round in both sampling variants
-  (plain and top-k/top-p) and the prefills (the prompt forwards of the target and the draft
-  head; dynamic shapes and prompts padded to 3 tokens, so the warm-up prompt covers every
-  length: one graph for batch 1, one for larger batches), CUDA graphs included;
+- everything `Decoder.warmup` compiles: every bucket's round variants (`RoundVariant`: a
+  stochastic tree's sampled and greedy rounds, the top-k/top-p one) and the prefills (the
+  prompt forwards of the target and the draft head; dynamic shapes and prompts padded to 3
+  tokens, so the warm-up prompt covers every length: one graph for batch 1, one for larger
+  batches), CUDA graphs included;
 - with `precompile`, every one of those graphs compiled through Dynamo's precompile
   (`Decoder.precompiling`, `CompiledStep.aot_compile`) rather than `torch.compile`, once
   each, so that loading skips Dynamo tracing too.

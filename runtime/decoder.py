@@ -56,12 +56,33 @@ _PADDING = SamplingParams(max_new_tokens=0)
 
 
 @dataclass(frozen=True)
+class RoundVariant:
+    """Which of a bucket's rounds a batch runs: each is compiled (and on CUDA captured) on its
+    own, and the host picks one from the batch's requests (`Decoder.variant_for`).
+
+    filtered: some request samples with top-k / top-p (see SamplingTensors.filtered).
+    stochastic: the bucket's tree is stochastic and some request samples. A batch of greedy
+        requests runs a stochastic shape as its top-k tree, which greedy rows draft and walk
+        anyway, without the sampled draft and the rejection walk.
+    """
+
+    filtered: bool = False
+    stochastic: bool = False
+
+    @property
+    def tag(self) -> str:
+        """A short name for tables and logs: "" greedy or plain sampling, "f" filtered, "s"
+        stochastic, "fs" both."""
+        return "f" * self.filtered + "s" * self.stochastic
+
+
+@dataclass(frozen=True)
 class BucketWarmup:
-    """What preparing one bucket's round cost: seconds (compilation included) and graph pool
-    bytes. `filtered`: the variant with top-k / top-p sampling (see SamplingTensors)."""
+    """What preparing one bucket's round variant cost: seconds (compilation included) and
+    graph pool bytes."""
 
     bucket: int
-    filtered: bool
+    variant: RoundVariant
     seconds: float
     pool_bytes: int
 
@@ -94,7 +115,8 @@ class Decoder:
         self._round, self._decode = speculative_round, decode_round
         self._prefill_target = self._prefill_draft = None
         if self._compiled:
-            num_graphs = 2 * len(config.buckets) + 2  # with and without top-k/top-p
+            # Greedy, sampled and top-k/top-p rounds of each bucket (see RoundVariant).
+            num_graphs = 3 * len(config.buckets) + 2
             self._round = compile_round(speculative_round, recompile_limit=num_graphs)
             self._decode = compile_step(decode_round, name="decode", recompile_limit=num_graphs)
             # Prefills are dynamic: one graph for batch 1 and one for larger batches, whatever
@@ -113,11 +135,32 @@ class Decoder:
         self._states: dict[int, SpecState] = {}
         # Static prompt buffers (tokens [B, T], lengths [B]) of each captured prefill graph.
         self._prompt_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.warmups: dict[tuple[int, bool], BucketWarmup] = {}
+        self.warmups: dict[tuple[int, RoundVariant], BucketWarmup] = {}
 
     def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
         """The bucket's draft tree (None: plain decoding)."""
         return None if self.head is None else self.config.tree_for(bucket)
+
+    def is_stochastic(self, bucket: int) -> bool:
+        """Whether the bucket drafts a stochastic tree for requests that sample."""
+        tree = self.tree_for(bucket)
+        return isinstance(tree, TreeShape) and tree.stochastic
+
+    def variant_for(self, bucket: int, params: Sequence[SamplingParams]) -> RoundVariant:
+        """The round variant a batch of these requests runs in the bucket."""
+        samples = any(not p.greedy for p in params)
+        return RoundVariant(
+            filtered=needs_filtering(params), stochastic=samples and self.is_stochastic(bucket)
+        )
+
+    def variants(self, bucket: int, *, filtered: bool = False) -> list[RoundVariant]:
+        """The bucket's round variants for greedy and plainly sampling requests, and with
+        `filtered` for top-k / top-p ones too."""
+        stochastic = self.is_stochastic(bucket)
+        found = [RoundVariant(), RoundVariant(stochastic=stochastic)]
+        if filtered:
+            found.append(RoundVariant(filtered=True, stochastic=stochastic))
+        return list(dict.fromkeys(found))
 
     def depth_for(self, bucket: int) -> int:
         tree = self.tree_for(bucket)
@@ -143,17 +186,21 @@ class Decoder:
         progress: bool = False,
         buckets: Sequence[int] | None = None,
         prompt_lengths: Sequence[int] = (),
-    ) -> dict[tuple[int, bool], BucketWarmup]:
-        """Compile (and on CUDA capture) every bucket (or only `buckets`, a subset of the
-        config's), largest first; `filtered` also prepares the top-k/top-p variant (otherwise
-        prepared when first needed); with CUDA graphs, `prompt_lengths` (tokens) also
-        captures the prefill graphs prompts that long need in those buckets (otherwise
-        captured on first use). Idempotent."""
+    ) -> dict[tuple[int, RoundVariant], BucketWarmup]:
+        """Compile (and on CUDA capture) the round variants of every bucket (or only
+        `buckets`, a subset of the config's), largest first: `variants(bucket,
+        filtered=filtered)`; the top-k/top-p ones are otherwise prepared when first needed.
+        With CUDA graphs, `prompt_lengths` (tokens) also captures the prefill graphs prompts
+        that long need in those buckets (otherwise captured on first use). Idempotent."""
         chosen = self.config.buckets if buckets is None else sorted(buckets)
-        variants = [(b, f) for b in reversed(chosen) for f in {False, filtered}]
-        todo = [key for key in variants if key not in self.warmups]
+        keys = [
+            (bucket, variant)
+            for bucket in reversed(chosen)
+            for variant in self.variants(bucket, filtered=filtered)
+        ]
+        todo = [key for key in keys if key not in self.warmups]
         for bucket, variant in tqdm(todo, desc="warm-up", unit="graph", disable=not progress):
-            self._build(bucket, filtered=variant)
+            self._build(bucket, variant)
         if self.use_graphs:
             for bucket in reversed(chosen):
                 for num_tokens in sorted(set(prompt_lengths), reverse=True):
@@ -162,27 +209,31 @@ class Decoder:
             settle_heap()
         return dict(self.warmups)
 
-    def prepare(self, bucket: int, *, filtered: bool = False, prefill: bool = True):
+    def prepare(
+        self, bucket: int, *, variant: RoundVariant = RoundVariant(), prefill: bool = True
+    ) -> BucketWarmup:
         """Compile one bucket's prefill (unless `prefill` is False) and round variant, and
         capture the round on CUDA. Idempotent. Returns its BucketWarmup. The bucket's state is
         left done (reset by the next prefill)."""
-        if self._build(bucket, filtered=filtered, prefill=prefill):
+        if self._build(bucket, variant, prefill=prefill):
             settle_heap()
-        return self.warmups[bucket, filtered]
+        return self.warmups[bucket, variant]
 
     @torch.inference_mode()
-    def _build(self, bucket: int, *, filtered: bool, prefill: bool = True) -> bool:
+    def _build(self, bucket: int, variant: RoundVariant, *, prefill: bool = True) -> bool:
         """`prepare` without settling the heap; whether anything was built."""
-        key = (bucket, filtered)
+        key = (bucket, variant)
         if key in self.warmups:
             return False
+        if variant.stochastic and not self.is_stochastic(bucket):
+            raise ValueError(f"bucket {bucket}'s tree is not stochastic: {self.tree_for(bucket)}")
         started = time.perf_counter()
         if prefill:
             self._prefill_for_warmup(bucket)
-        pool_bytes = self._prepare_round(bucket, filtered)
+        pool_bytes = self._prepare_round(bucket, variant)
         seconds = time.perf_counter() - started
-        self.warmups[key] = BucketWarmup(bucket, filtered, seconds, pool_bytes)
-        logger.info("bucket %d (filtered=%s) ready in %.1f s", bucket, filtered, seconds)
+        self.warmups[key] = BucketWarmup(bucket, variant, seconds, pool_bytes)
+        logger.info("bucket %d%s ready in %.1f s", bucket, variant.tag, seconds)
         return True
 
     def stream(
@@ -227,15 +278,15 @@ class Decoder:
         stats: DecodeStats,
     ) -> Iterator[Step]:
         state = self.state(bucket)
-        filtered = needs_filtering(params)
+        variant = self.variant_for(bucket, params)
         if self.use_graphs:
             # Captured before the prefill is timed (a first use's capture is not its prefill).
-            self.prepare(bucket, filtered=filtered)
+            self.prepare(bucket, variant=variant)
             self._prefill_graph_key(state, max(map(len, prompts)))
-        yield from self._rounds(bucket, filtered, state, prompts, params, num_real, stats)
+        yield from self._rounds(bucket, variant, state, prompts, params, num_real, stats)
 
     @torch.inference_mode()
-    def _rounds(self, bucket, filtered, state, prompts, params, num_real, stats):
+    def _rounds(self, bucket, variant, state, prompts, params, num_real, stats):
         reader = ReportReader(self.device, num_real)
         started = time.perf_counter()
         reader.submit(functools.partial(self._prefill, state, prompts, params))
@@ -243,7 +294,7 @@ class Decoder:
         stats.prefill_seconds += time.perf_counter() - started
         tracker = SlotTracker(num_real)
         yield tracker.step(rows, stats, counts_round=False)
-        run_round = self.round_runner(bucket, filtered=filtered)
+        run_round = self.round_runner(bucket, variant=variant)
         lag = 1 if self.device.type == "cuda" else 0
         while not tracker.all_done:
             while len(reader) <= lag:
@@ -318,13 +369,15 @@ class Decoder:
         """The (bucket, padded prompt length) pairs whose prefill graphs are captured."""
         return sorted(self._prompt_buffers)
 
-    def round_runner(self, bucket: int, *, filtered: bool = False) -> Callable[[], torch.Tensor]:
-        """A zero-argument call that runs one round of the bucket over its state (replaying
-        its graph on CUDA) and returns the report [bucket, 4 + D + 1] int64."""
+    def round_runner(
+        self, bucket: int, *, variant: RoundVariant = RoundVariant()
+    ) -> Callable[[], torch.Tensor]:
+        """A zero-argument call that runs one round (the variant) of the bucket over its state
+        (replaying its graph on CUDA) and returns the report [bucket, 4 + D + 1] int64."""
         if self._runner is not None:
-            self.prepare(bucket, filtered=filtered)
-            return functools.partial(self._runner.replay, (bucket, filtered))
-        return self._round_step(bucket, filtered)
+            self.prepare(bucket, variant=variant)
+            return functools.partial(self._runner.replay, (bucket, variant))
+        return self._round_step(bucket, variant)
 
     def compiled_steps(self) -> dict[str, CompiledStep]:
         """The compiled steps by name (round, decode, prefill_target, prefill_draft); empty
@@ -353,23 +406,25 @@ class Decoder:
                 stack.enter_context(step.precompiling(sink))
             yield
 
-    def _round_step(self, bucket: int, filtered: bool) -> Callable[[], torch.Tensor]:
+    def _round_step(self, bucket: int, variant: RoundVariant) -> Callable[[], torch.Tensor]:
         """The bucket's round variant as a zero-argument call over its static state."""
         state, tree = self.state(bucket), self.tree_for(bucket)
-        sampling = dataclasses.replace(state.sampling, filtered=filtered)
+        sampling = dataclasses.replace(state.sampling, filtered=variant.filtered)
         state = dataclasses.replace(state, sampling=sampling)
         if tree is None:
             return functools.partial(self._decode, self.target, state)
+        if self.is_stochastic(bucket) and not variant.stochastic:
+            tree = dataclasses.replace(tree, stochastic=False)
         return functools.partial(self._round, self.target, self.head, state, tree)
 
-    def _prepare_round(self, bucket: int, filtered: bool) -> int:
-        """Compile the bucket's round (warm-up calls on a done batch) and capture it."""
-        step = self._round_step(bucket, filtered)
+    def _prepare_round(self, bucket: int, variant: RoundVariant) -> int:
+        """Compile the bucket's round variant (warm-up calls on a done batch), capture it."""
+        step = self._round_step(bucket, variant)
         self.state(bucket).done.fill_(True)
         if self._runner is None:
             step()
             return 0
-        return self._runner.capture((bucket, filtered), step).pool_bytes
+        return self._runner.capture((bucket, variant), step).pool_bytes
 
     def _prefill_for_warmup(self, bucket: int) -> None:
         """A prefill at the bucket's batch size (compiles the prefill forwards)."""

@@ -25,7 +25,7 @@ from ..models.loading import load_draft, load_target
 from ..models.tokenizer import Tokenizer
 from . import aot
 from .config import EngineConfig, SamplingParams, default_trees, validate_prompt_ids
-from .decoder import BucketWarmup, Decoder, Step
+from .decoder import BucketWarmup, Decoder, RoundVariant, Step
 from .requests import check_requests
 from .stats import DecodeStats, RequestStats
 
@@ -124,12 +124,12 @@ class Engine:
 
     def warmup(
         self, *, filtered: bool = False, progress: bool = True, prompt_lengths: Sequence[int] = ()
-    ) -> dict[tuple[int, bool], BucketWarmup]:
-        """Compile and (on CUDA) capture every bucket's round, largest first; idempotent.
+    ) -> dict[tuple[int, RoundVariant], BucketWarmup]:
+        """Compile and (on CUDA) capture every bucket's rounds, largest first; idempotent.
         `filtered` also prepares the top-k/top-p variants; `prompt_lengths` (in tokens, see
         `encode_prompt`) also captures the prefill graphs such prompts need. Returns what
-        each (bucket, filtered) graph cost. Without it, a graph is prepared the first time it
-        is used."""
+        each (bucket, round variant) graph cost. Without it, a graph is prepared the first
+        time it is used."""
         return self.decoder.warmup(
             filtered=filtered, progress=progress, prompt_lengths=prompt_lengths
         )

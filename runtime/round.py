@@ -81,20 +81,22 @@ def speculative_round(
 ) -> torch.Tensor:
     """Run one round in place. Returns the round report [B, 4 + D + 1] int64 (ReportColumns;
     slots already done report nothing). Samples from the default RNG of the state's device."""
-    if isinstance(shape, TreeShape) and shape.stochastic:
-        tree, draft = draft_stochastic_tree(
+    tree, draft = draft_phase(head, state, shape)
+    return verify_phase(target, head, state, tree, shape=shape, draft=draft)
+
+
+def draft_phase(
+    head: DraftHead, state: SpecState, shape: TreeShape | StaticTree
+) -> tuple[Tree, DraftDistributions | None]:
+    """Draft extend + expand + rerank: the round's tree (the draft cache is updated), and a
+    stochastic tree's draft distributions (None for the others)."""
+    if isinstance(shape, StaticTree):
+        return draft_static_tree(head, state.draft, state.pending, state.root, shape), None
+    if shape.stochastic:
+        return draft_stochastic_tree(
             head, state.draft, state.pending, state.root, shape, state.sampling
         )
-        return verify_phase(target, head, state, tree, shape=shape, draft=draft)
-    tree = draft_phase(head, state, shape)
-    return verify_phase(target, head, state, tree, shape=shape)
-
-
-def draft_phase(head: DraftHead, state: SpecState, shape: TreeShape | StaticTree) -> Tree:
-    """Draft extend + expand + rerank: the round's tree (the draft cache is updated)."""
-    if isinstance(shape, StaticTree):
-        return draft_static_tree(head, state.draft, state.pending, state.root, shape)
-    return draft_tree(head, state.draft, state.pending, state.root, shape)
+    return draft_tree(head, state.draft, state.pending, state.root, shape), None
 
 
 def verify_phase(

@@ -17,6 +17,7 @@ comparison point for `specrun eval`'s speculative and plain numbers on the same 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import shlex
@@ -66,6 +67,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--tree", type=int, nargs=3, default=None, metavar=("D", "K", "N"),
         help="one tree for every bucket (default: the engine's per-bucket table)",
+    )  # fmt: skip
+    decode.add_argument(
+        "--stochastic", action="store_true",
+        help="stochastic trees, timed on sampling requests (temperature 1)",
     )  # fmt: skip
     decode.add_argument(
         "--prompt-length", type=int, default=0,
@@ -170,6 +175,8 @@ def run_decode(args: argparse.Namespace) -> int:
     target = random_target(shapes.target, device="cuda", dtype=torch.bfloat16)
     head = random_eagle3_head(target, draft_vocab_size=draft_vocab, dtype=torch.bfloat16)
     trees = {1: TreeShape(*args.tree)} if args.tree else DEFAULT_TREES
+    if args.stochastic:
+        trees = {b: dataclasses.replace(t, stochastic=True) for b, t in trees.items() if t}
     table = EngineConfig(buckets=tuple(args.buckets), trees=trees)
     points = []
     sink = open(args.json, "w") if args.json else None  # noqa: SIM115
@@ -216,7 +223,7 @@ def format_decode_table(points: list[dict], *, accept_length: float) -> str:
         rows.append(
             f"{bucket:>3} {_fmt(p and p['round_ms'], '.2f'):>8} "
             f"{_fmt(p and p['floor_fraction'], '.0%'):>6} {_fmt(p and p['tokens_per_s']):>11} "
-            f"{'-' if not s else ','.join(map(str, s['tree'])):>10} "
+            f"{_tree_label(s):>10} "
             f"{_fmt(s and s['round_ms'], '.2f'):>8} {_fmt(ratio, '.2f'):>6} "
             f"{_fmt(s and s['draft_ms'], '.2f'):>8} {_fmt(s and s['verify_ms'], '.2f'):>9} "
             f"{_fmt(spec_tps):>11} {_fmt(speedup, '.2f'):>7} "
@@ -224,6 +231,13 @@ def format_decode_table(points: list[dict], *, accept_length: float) -> str:
             f"{_fmt((s or p)['graph_pool_mib'], '.0f'):>8}"
         )
     return "\n".join(rows)
+
+
+def _tree_label(point: dict | None) -> str:
+    """'D,K,N' of a speculative point, with ',s' for a stochastic tree; '-' for none."""
+    if not point:
+        return "-"
+    return ",".join(map(str, point["tree"])) + (",s" if point.get("stochastic") else "")
 
 
 def format_kernel_table(point: dict) -> str:

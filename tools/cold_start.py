@@ -245,8 +245,8 @@ def _point(spec: dict, phase_done: Callable[[str], None]) -> dict:
         **marks,
         **steps,
         "bucket_prepare_s": {
-            f"{bucket}{'f' if filtered else ''}": round(warmup.seconds, 3)
-            for (bucket, filtered), warmup in decoder.warmups.items()
+            f"{bucket}{variant.tag}": round(warmup.seconds, 3)
+            for (bucket, variant), warmup in decoder.warmups.items()
         },
         **compile_counters(),
     }

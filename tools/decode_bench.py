@@ -22,6 +22,7 @@ prompt forward. Per point:
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -34,7 +35,7 @@ from ..models.config import DraftConfig, LlamaConfig
 from ..models.eagle import DraftHead, build_draft
 from ..models.llama import Llama
 from ..runtime.config import EngineConfig, SamplingParams
-from ..runtime.decoder import Decoder, ReportReader
+from ..runtime.decoder import Decoder, ReportReader, RoundVariant
 from ..runtime.graphs import CudaGraphRunner, compile_step
 from ..runtime.round import SpecState, draft_phase
 from ..runtime.tree import TreeShape
@@ -138,8 +139,11 @@ def floor_seconds(target: Llama, *, batch: int, context: int, bandwidth: float) 
     return (weights + batch * context * kv) / bandwidth
 
 
-def fill_state(state: SpecState, *, context: int, vocab_size: int) -> None:
-    """Every slot at `context` committed tokens, active, greedy, never stopping."""
+def fill_state(
+    state: SpecState, *, context: int, vocab_size: int, temperature: float = 0.0
+) -> None:
+    """Every slot at `context` committed tokens, active, never stopping, greedy or sampling
+    at `temperature`."""
     generator = torch.Generator(device=state.root.device).manual_seed(0)
     state.target.lengths.fill_(context)
     state.root.random_(0, vocab_size, generator=generator)
@@ -148,7 +152,7 @@ def fill_state(state: SpecState, *, context: int, vocab_size: int) -> None:
     state.num_output.zero_()
     state.max_new.fill_(state.output.shape[1] // 2)
     state.stop_mask.zero_()
-    state.sampling.temperature.zero_()
+    state.sampling.temperature.fill_(temperature)
     if state.draft is not None:
         state.draft.lengths.fill_(context)
         state.pending.tokens.random_(0, vocab_size, generator=generator)
@@ -251,7 +255,8 @@ def bench_bucket(
 ) -> dict:
     """Plain (tree None) or speculative round latency of one bucket, and what it cost; with
     `num_top_kernels`, also the round's costliest kernels (`kernel_table`); with
-    `prompt_length`, also the prefill of prompts that long (`prefill_ms`)."""
+    `prompt_length`, also the prefill of prompts that long (`prefill_ms`). Rounds are greedy,
+    a stochastic tree's sampled (temperature 1)."""
     depth = 0 if tree is None else tree.depth
     config = EngineConfig(
         device="cuda",
@@ -263,21 +268,28 @@ def bench_bucket(
     )
     decoder = Decoder(target, head if tree is not None else None, config)
     state = decoder.state(bucket)
-    fill_state(state, context=context, vocab_size=target.config.vocab_size)
+    stochastic = decoder.is_stochastic(bucket)
+    refill = functools.partial(
+        fill_state, state, context=context, vocab_size=target.config.vocab_size,
+        temperature=1.0 if stochastic else 0.0,
+    )  # fmt: skip
+    refill()
     started = time.perf_counter()
-    warmup = decoder.prepare(bucket, prefill=False)
-    run = decoder.round_runner(bucket)
+    variant = RoundVariant(stochastic=stochastic)
+    warmup = decoder.prepare(bucket, variant=variant, prefill=False)
+    run = decoder.round_runner(bucket, variant=variant)
     point = {
         "bucket": bucket,
         "mode": "plain" if tree is None else "speculative",
         "tree": None if tree is None else [tree.depth, tree.topk, tree.num_nodes],
+        "stochastic": stochastic,
         "context": context,
         "warmup_s": time.perf_counter() - started,
         "graph_pool_mib": warmup.pool_bytes / 2**20,
     }
-    fill_state(state, context=context, vocab_size=target.config.vocab_size)
+    refill()
     point["round_ms"] = time_replays(run, num_rounds=num_rounds) * 1e3
-    fill_state(state, context=context, vocab_size=target.config.vocab_size)
+    refill()
     for key, host_loop in (("gpu_idle", True), ("gpu_idle_in_graph", False)):
         kernels = profile_kernels(run, bucket=bucket, num_rounds=num_rounds, host_loop=host_loop)
         point[key] = idle_fraction(kernels)
@@ -288,7 +300,7 @@ def bench_bucket(
         point["tokens_per_s"] = bucket / point["round_ms"] * 1e3
         point["floor_fraction"] = point["floor_ms"] / point["round_ms"]
     else:
-        fill_state(state, context=context, vocab_size=target.config.vocab_size)
+        refill()
         point["draft_ms"] = _draft_phase_ms(head, state, tree, num_rounds=num_rounds)
         point["verify_ms"] = point["round_ms"] - point["draft_ms"]
     if prompt_length:

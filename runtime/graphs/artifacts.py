@@ -84,6 +84,7 @@ STEP_SOURCES = (
     "runtime/kv_cache.py",
     "runtime/round.py",
     "runtime/sampling.py",
+    "runtime/stochastic.py",
     "runtime/tree.py",
     "runtime/verify.py",
     "runtime/graphs/compile.py",

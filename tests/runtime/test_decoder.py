@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specrun.models.default import default_head_dir
+from specrun.runtime import round as round_module
 from specrun.runtime.config import (
     DEFAULT_TREES,
     HEAD_TREES_FILE,
@@ -20,7 +21,7 @@ from specrun.runtime.config import (
     SamplingParams,
     default_trees,
 )
-from specrun.runtime.decoder import Decoder
+from specrun.runtime.decoder import Decoder, RoundVariant
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.stats import DecodeStats
 from specrun.runtime.tree import TreeShape
@@ -86,6 +87,52 @@ def test_preparing_exempts_what_it_built_from_garbage_collection(target):
     assert gc.get_freeze_count() == 0
     decoder.warmup(buckets=[2])
     assert gc.get_freeze_count() > 0
+
+
+def test_round_variants_follow_the_requests_and_the_buckets_trees(target):
+    """A stochastic bucket has a greedy round, a sampled one and a top-k/top-p one; other
+    buckets have no stochastic variant whatever the requests; warm-up builds exactly them."""
+    trees = {1: TreeShape(3, 2, 5, stochastic=True), 2: TreeShape(2, 2, 4), 4: None}
+    decoder = _decoder(target, trees=trees)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
+    filtered = SamplingParams(temperature=0.7, top_p=0.9)
+    stochastic = RoundVariant(stochastic=True)
+    assert decoder.variant_for(1, [greedy, greedy]) == RoundVariant()
+    assert decoder.variant_for(1, [greedy, sampled]) == stochastic
+    assert decoder.variant_for(1, [filtered]) == RoundVariant(filtered=True, stochastic=True)
+    assert decoder.variant_for(2, [greedy, sampled]) == RoundVariant()
+    assert decoder.variant_for(4, [filtered]) == RoundVariant(filtered=True)
+    assert decoder.variants(1) == [RoundVariant(), stochastic]
+    assert decoder.variants(2, filtered=True) == [RoundVariant(), RoundVariant(filtered=True)]
+    assert set(decoder.warmup()) == {
+        (1, RoundVariant()),
+        (1, stochastic),
+        (2, RoundVariant()),
+        (4, RoundVariant()),
+    }
+    with pytest.raises(ValueError, match="not stochastic"):
+        decoder.prepare(2, variant=stochastic)
+
+
+def test_greedy_batches_run_a_stochastic_bucket_as_its_top_k_tree(target, monkeypatch):
+    """Only a batch with a sampling request drafts the stochastic tree; an all-greedy batch
+    runs the top-k round and decodes what the reference does."""
+    calls = []
+    stochastic_draft = round_module.draft_stochastic_tree
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return stochastic_draft(*args, **kwargs)
+
+    monkeypatch.setattr(round_module, "draft_stochastic_tree", counted)
+    decoder = _decoder(target, trees={1: TreeShape(3, 2, 5, stochastic=True), 2: None, 4: None})
+    params = [SamplingParams(max_new_tokens=9), SamplingParams(max_new_tokens=6)]
+    assert decode_tokens(decoder, PROMPTS[:1], params[:1]) == _reference(
+        target, PROMPTS[:1], params[:1]
+    )
+    assert not calls
+    decode_tokens(decoder, PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=6))
+    assert calls
 
 
 def test_stop_ids_max_new_zero_and_statistics(target):

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from specrun.runtime.config import EngineConfig, SamplingParams
-from specrun.runtime.decoder import Decoder
+from specrun.runtime.decoder import Decoder, RoundVariant
 from specrun.runtime.reference import reference_generate
+from specrun.runtime.stats import DecodeStats
 from specrun.runtime.tree import TreeShape
 from tiny_models import TargetAsDraft, decode_tokens, random_head, random_llama, tiny_config
 
@@ -57,8 +58,29 @@ def test_graphs_decode_what_eager_rounds_decode_in_every_bucket(kind):
             assert _decode(graphs, prompts, params) == _decode(eager, prompts, params)
             want = reference_generate(target, prompts, params)
             assert _decode(graphs, prompts, params) == [w.token_ids for w in want]
-    assert set(graphs.warmups) == {(bucket, False) for bucket in BUCKETS}
+    assert set(graphs.warmups) == {(bucket, RoundVariant()) for bucket in BUCKETS}
     graphs.close()
+
+
+def test_a_stochastic_bucket_replays_its_greedy_and_sampled_rounds():
+    """A stochastic bucket captures two rounds. Greedy batches replay the top-k one and decode
+    the reference; sampling batches replay the sampled one, in which a head equal to the
+    target has every draft accepted (all D per round but each request's last)."""
+    target, head = _models("self")
+    shape = TreeShape(3, 2, 6, stochastic=True)
+    config = _config(compile=True, cuda_graphs=True, buckets=(2,), trees={2: shape})
+    decoder = Decoder(target, head, config)
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    sampled = dataclasses.replace(greedy, temperature=1.0, seed=1)
+    stats = DecodeStats()
+    with torch.inference_mode():
+        assert set(decoder.warmup()) == {(2, RoundVariant()), (2, RoundVariant(stochastic=True))}
+        want = reference_generate(target, PROMPTS[:2], greedy)
+        assert _decode(decoder, PROMPTS[:2], greedy) == [w.token_ids for w in want]
+        decode_tokens(decoder, PROMPTS[:2], sampled, stats=stats)
+    assert stats.accepted_histogram[shape.depth] >= sum(stats.accepted_histogram) - 2
+    assert len(decoder.warmups) == 2
+    decoder.close()
 
 
 def test_no_host_sync_inside_the_decoding_loop_and_seeds_reproduce():
