@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .config import EngineConfig, default_trees
+from .config import EngineConfig, default_trees, stochastic_trees
 from .decoder import Decoder
 from .graphs import artifacts
 from .graphs.artifacts import LoadedArtifacts, Manifest
@@ -77,13 +77,17 @@ def compile_command(
     args += ["--device", config.device, "--dtype", config.dtype]
     if config.cuda_graphs is False:
         args.append("--no-cuda-graphs")
-    trees, note = dict(config.trees), ""
-    if trees != dict(default_trees(draft)):
-        shape = next(iter(trees.values()))
-        if len(trees) == 1 and isinstance(shape, TreeShape):
-            args += ["--tree", str(shape.depth), str(shape.topk), str(shape.num_nodes)]
-        else:
-            note = " (with this EngineConfig's trees: specrun.runtime.aot.build from Python)"
+    trees, table, note = dict(config.trees), dict(default_trees(draft)), ""
+    shape = next(iter(trees.values()))
+    if trees == table:
+        pass
+    elif trees == stochastic_trees(table):
+        args.append("--stochastic")
+    elif len(trees) == 1 and isinstance(shape, TreeShape):
+        args += ["--tree", str(shape.depth), str(shape.topk), str(shape.num_nodes)]
+        args += ["--stochastic"] * shape.stochastic
+    else:
+        note = " (with this EngineConfig's trees: specrun.runtime.aot.build from Python)"
     return shlex.join([*args, "--out", str(out)]) + note
 
 

@@ -61,6 +61,17 @@ def default_trees(draft: str | Path | None = None) -> Mapping[int, TreeShape | S
     return MappingProxyType({**DEFAULT_TREES, **trees})  # EngineConfig sorts its table
 
 
+def stochastic_trees(
+    trees: Mapping[int, TreeShape | StaticTree | None],
+) -> dict[int, TreeShape | StaticTree | None]:
+    """The table with every TreeShape stochastic (static trees and plain decoding as they
+    are)."""
+    return {
+        bucket: dataclasses.replace(tree, stochastic=True) if isinstance(tree, TreeShape) else tree
+        for bucket, tree in trees.items()
+    }
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.

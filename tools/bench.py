@@ -17,7 +17,6 @@ comparison point for `specrun eval`'s speculative and plain numbers on the same 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import shlex
@@ -25,7 +24,7 @@ import sys
 
 import torch
 
-from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig
+from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig, stochastic_trees
 from ..runtime.tree import TreeShape
 from . import cold_start
 from .decode_bench import SHAPES
@@ -176,7 +175,7 @@ def run_decode(args: argparse.Namespace) -> int:
     head = random_eagle3_head(target, draft_vocab_size=draft_vocab, dtype=torch.bfloat16)
     trees = {1: TreeShape(*args.tree)} if args.tree else DEFAULT_TREES
     if args.stochastic:
-        trees = {b: dataclasses.replace(t, stochastic=True) for b, t in trees.items() if t}
+        trees = stochastic_trees(trees)
     table = EngineConfig(buckets=tuple(args.buckets), trees=trees)
     points = []
     sink = open(args.json, "w") if args.json else None  # noqa: SIM115

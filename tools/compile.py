@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from ..models.default import default_model_dir
 from ..models.loading import load_draft, load_target
 from ..runtime import aot
-from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees
+from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
 from ..runtime.decoder import Decoder
 from ..runtime.graphs import artifacts
 from ..runtime.tree import TreeShape
@@ -53,6 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tree", type=int, nargs=3, default=None, metavar=("D", "K", "N"),
         help="one draft tree for every bucket (default: the engine's per-bucket table, with the "
         "head's trees.json over it)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stochastic", action="store_true",
+        help="make the trees stochastic (sampled drafts for requests that sample)",
     )  # fmt: skip
     parser.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -85,6 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the artifacts are for (the engine must be built with the same)."""
     trees = {1: TreeShape(*args.tree)} if args.tree else default_trees(args.draft)
+    if args.stochastic:
+        trees = stochastic_trees(trees)
     return EngineConfig(
         device=args.device,
         dtype=args.dtype,
@@ -205,6 +211,7 @@ def _job_command(args: argparse.Namespace) -> list[str]:
     command += ["--device", args.device, "--dtype", args.dtype]
     if args.tree:
         command += ["--tree", *map(str, args.tree)]
-    flags = {"--no-cuda-graphs": args.no_cuda_graphs, "--skip-filtered": args.skip_filtered}
+    flags = {"--stochastic": args.stochastic, "--no-cuda-graphs": args.no_cuda_graphs}
+    flags["--skip-filtered"] = args.skip_filtered
     flags["--no-precompile"] = args.no_precompile
     return command + [flag for flag, on in flags.items() if on]

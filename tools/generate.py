@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from ..models.default import default_head_dir
-from ..runtime.config import DEFAULT_TREE, EngineConfig, SamplingParams, default_trees
+from ..runtime.config import (
+    DEFAULT_TREE,
+    EngineConfig,
+    SamplingParams,
+    default_trees,
+    stochastic_trees,
+)
 from ..runtime.engine import Engine
 from ..runtime.tree import StaticTree, TreeShape
 
@@ -111,12 +116,5 @@ def tree_table(
     draft head's recommended trees over it (`default_trees`)."""
     if args.depth is None and args.topk is None and args.nodes is None:
         trees = default_trees(draft)
-        if not args.stochastic:
-            return trees
-        return {
-            bucket: dataclasses.replace(tree, stochastic=True)
-            if isinstance(tree, TreeShape)
-            else tree
-            for bucket, tree in trees.items()
-        }
+        return stochastic_trees(trees) if args.stochastic else trees
     return {1: tree_shape(args)}

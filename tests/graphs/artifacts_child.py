@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--buckets", type=int, nargs="+", default=[1])
     parser.add_argument("--tree", type=int, nargs=3, default=[2, 2, 4])
     parser.add_argument("--max-seq-len", type=int, default=64)
+    parser.add_argument("--stochastic", action="store_true", help="a stochastic --tree")
     parser.add_argument("--filtered", action="store_true")
     parser.add_argument("--engine", action="store_true", help="load: Engine.from_pretrained")
     parser.add_argument("--only-buckets", type=int, nargs="+", default=None, help="build: a part")
@@ -47,7 +48,7 @@ def main() -> None:
         device=args.device,
         dtype=args.dtype,
         buckets=tuple(args.buckets),
-        trees={1: TreeShape(*args.tree)},
+        trees={1: TreeShape(*args.tree, stochastic=args.stochastic)},
         max_seq_len=args.max_seq_len,
         compile=True,
     )

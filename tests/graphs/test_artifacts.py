@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -24,12 +25,13 @@ from graphs.artifacts_child import decode, prompts
 
 from specrun.models.loading import load_target, save_target
 from specrun.runtime import aot
-from specrun.runtime.config import EngineConfig, SamplingParams, default_trees
+from specrun.runtime.config import EngineConfig, SamplingParams, default_trees, stochastic_trees
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.engine import Engine
 from specrun.runtime.graphs import artifacts
 from specrun.runtime.tree import TreeShape
 from specrun.tools import cli
+from specrun.tools import compile as compile_tool
 from tiny_models import random_llama, tiny_config
 
 CHILD = Path(__file__).with_name("artifacts_child.py")
@@ -98,16 +100,16 @@ def test_a_fresh_process_decodes_like_the_build_and_eager_without_tracing(built)
 
 
 def test_speculative_steps_and_both_prefill_graphs_load_without_tracing(tmp_path):
-    """A head, two buckets (prefill graphs for batch 1 and batch > 1, the draft's too) and
-    sampling with and without temperature: the loaded process traces nothing and decodes like
-    the build."""
+    """A head, two buckets (prefill graphs for batch 1 and batch > 1, the draft's too), a
+    stochastic tree and sampling with and without temperature (its sampled and greedy
+    rounds): the loaded process traces nothing and decodes like the build."""
     from specrun.models.loading import save_draft
     from tiny_models import random_head
 
     target = random_llama(tiny_config(num_layers=1))
     save_target(target, tmp_path / "model")
     save_draft(random_head("eagle3", target), tmp_path / "head")
-    extra = ["--draft", str(tmp_path / "head"), "--buckets", "1", "2"]
+    extra = ["--draft", str(tmp_path / "head"), "--buckets", "1", "2", "--stochastic"]
     cache = tmp_path / "inductor-cache"
     build = run_child("build", tmp_path, *extra, cache=cache)
     loaded = run_child("load", tmp_path, *extra, cache=cache)
@@ -246,10 +248,35 @@ def test_compile_command_renders_the_engine_config(tmp_path):
     assert "--tree" not in command and "with this EngineConfig" not in command
 
 
+@pytest.mark.parametrize(
+    "trees",
+    [
+        {1: TreeShape(2, 2, 4)},
+        {1: TreeShape(2, 2, 4, stochastic=True)},
+        "head",
+        "head, stochastic",
+    ],
+)
+def test_the_compile_command_builds_for_the_same_trees(tmp_path, trees):
+    """`specrun compile` run with the rendered command compiles for the engine's trees,
+    stochastic ones included."""
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "trees.json").write_text('{"trees": {"1": [2, 2, 4]}}')
+    if isinstance(trees, str):
+        table = default_trees(head)
+        trees = stochastic_trees(table) if trees.endswith("stochastic") else table
+    config = EngineConfig(buckets=(1, 2), trees=trees, max_seq_len=128)
+    command = aot.compile_command(model_dir="m", draft=head, config=config, out="o")
+    args = cli.build_parser().parse_args(shlex.split(command)[1:])
+    assert compile_tool.engine_config(args).trees == config.trees
+
+
 @pytest.mark.gpu
 def test_gpu_engine_starts_from_artifacts_in_a_fresh_process(smollm_dir, tmp_path):
-    """The embedded model with a random EAGLE-3 head, bf16, CUDA graphs, two buckets and both
-    sampling variants: built in one process, served by Engine.from_pretrained(artifacts=...)
+    """The embedded model with a random EAGLE-3 head, bf16, CUDA graphs, two buckets, a
+    stochastic tree and every round variant (greedy, sampled, top-k/top-p; the rejection-walk
+    kernel included): built in one process, served by Engine.from_pretrained(artifacts=...)
     in another, token for token the same."""
     from specrun.models.loading import save_draft
     from tiny_models import random_head
@@ -259,7 +286,7 @@ def test_gpu_engine_starts_from_artifacts_in_a_fresh_process(smollm_dir, tmp_pat
     (tmp_path / "model").symlink_to(smollm_dir)
     extra = ["--draft", str(tmp_path / "head"), "--device", "cuda", "--dtype", "bfloat16"]
     extra += ["--buckets", "1", "2", "--tree", "3", "4", "8", "--max-seq-len", "256"]
-    extra += ["--filtered"]
+    extra += ["--stochastic", "--filtered"]
     cache = tmp_path / "inductor-cache"
     build = run_child("build", tmp_path, *extra, cache=cache)
     assert not (cache / "fxgraph").exists()

@@ -188,7 +188,7 @@ def test_a_head_directory_carries_its_trees(tmp_path):
         (tmp_path / HEAD_TREES_FILE).write_text(text)
         with pytest.raises(ValueError, match=r"trees\.json"):
             default_trees(tmp_path)
-    assert default_trees(default_head_dir())[1] == TreeShape(6, 8, 40)
+    assert default_trees(default_head_dir())[1] == TreeShape(6, 8, 40, stochastic=True)
 
 
 def test_engine_config_tree_table_and_bucket_choice():
