@@ -78,16 +78,15 @@ def compile_command(
     if config.cuda_graphs is False:
         args.append("--no-cuda-graphs")
     trees, table, note = dict(config.trees), dict(default_trees(draft)), ""
-    shape = next(iter(trees.values()))
-    if trees == table:
-        pass
-    elif trees == stochastic_trees(table):
-        args.append("--stochastic")
-    elif len(trees) == 1 and isinstance(shape, TreeShape):
-        args += ["--tree", str(shape.depth), str(shape.topk), str(shape.num_nodes)]
-        args += ["--stochastic"] * shape.stochastic
-    else:
-        note = " (with this EngineConfig's trees: specrun.runtime.aot.build from Python)"
+    if trees != table:
+        shape = next(iter(trees.values()))
+        if trees == stochastic_trees(table):
+            args.append("--stochastic")
+        elif len(trees) == 1 and isinstance(shape, TreeShape):
+            args += ["--tree", str(shape.depth), str(shape.topk), str(shape.num_nodes)]
+            args += ["--stochastic"] * shape.stochastic
+        else:
+            note = " (with this EngineConfig's trees: specrun.runtime.aot.build from Python)"
     return shlex.join([*args, "--out", str(out)]) + note
 
 

@@ -1,10 +1,11 @@
 """`specrun compile`: compile every step ahead of time and write an artifact directory.
 
-For every bucket (and its draft tree) the prefill forwards and both sampling variants of the
-round are compiled as the engine compiles them (Inductor with specrun's passes), through
-Dynamo's precompile, and on CUDA the rounds are captured too. The compile caches, the
-precompiled graphs and a manifest (torch / triton / Python versions, GPU and
-compute capability, dtype, model and head config hashes, buckets, trees, KV capacity, source
+For every bucket (and its draft tree) the prefill forwards and the round variants
+(`RoundVariant`: greedy and sampled rounds of a stochastic tree, top-k/top-p unless
+`--skip-filtered`) are compiled as the engine compiles them (Inductor with specrun's
+passes), through Dynamo's precompile, and on CUDA the rounds are captured too. The
+compile caches, the precompiled graphs and a manifest (torch / triton / Python versions, GPU
+and compute capability, dtype, model and head config hashes, buckets, trees, KV capacity, source
 hash, file checksums) land in `--out`, which `Engine.from_pretrained(..., artifacts=OUT)`
 then loads without compiling. See runtime/graphs/artifacts.py for what each file holds.
 

@@ -15,7 +15,7 @@ An artifact directory holds:
   with `torch.compiler.load_cache_artifacts`, every compile of the same graph is a cache hit:
   no Inductor lowering, no Triton compilation, no autotuning. Dynamo still traces the Python.
 - `steps/*.bin`: Dynamo's ahead-of-time precompiled steps (`torch.compile(...).aot_compile`,
-  experimental in torch 2.10-2.11), one per (bucket, sampling variant) of the static-shape
+  experimental in torch 2.10-2.11), one per (bucket, round variant) of the static-shape
   round: loaded with `torch.compiler.load_compiled_function`, they also skip Dynamo tracing.
   Each keeps its serialisable guards but those on the model and head (compile.py,
   `precompile_guard_filter`); a call is dispatched to the first whose guards pass.

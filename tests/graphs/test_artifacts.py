@@ -63,7 +63,7 @@ def jit_compiles(report: dict) -> dict[str, int]:
 
 def greedy_outputs(report: dict) -> list:
     """A build report's greedy outputs, one per bucket: greedy decoding comes first among
-    each bucket's sampling variants."""
+    each bucket's sampling parameters."""
     num_variants = len(report["outputs"]) // len(report["eager_greedy_outputs"])
     return report["outputs"][::num_variants]
 
