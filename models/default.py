@@ -120,6 +120,24 @@ def default_head_dir() -> Path:
     return path
 
 
+def resolve_draft(
+    model_dir: str | Path | None, draft: str | Path | bool | None
+) -> str | Path | None:
+    """The draft-head directory an engine loads: `draft` when it is a directory; None (the
+    default) means the shipped head for the embedded model and no head for another model;
+    False means no head (plain decoding)."""
+    if draft is False:
+        return None
+    if draft is None:
+        return default_head_dir() if model_dir is None else None
+    if isinstance(draft, bool) or not isinstance(draft, (str, os.PathLike)):
+        raise TypeError(
+            f"draft must be a head directory (str or Path), None (the shipped head for the "
+            f"embedded model) or False (no speculation), got {type(draft).__name__} {draft!r}"
+        )
+    return draft
+
+
 def convert_atomically(
     gguf_path: str | Path,
     out_dir: str | Path,

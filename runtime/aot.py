@@ -73,6 +73,8 @@ def compile_command(
         args += ["--model", str(model_dir)]
     if draft is not None:
         args += ["--draft", str(draft)]
+    elif model_dir is None:
+        args.append("--no-draft")
     args += ["--buckets", *map(str, config.buckets), "--max-seq-len", str(config.max_seq_len)]
     args += ["--device", config.device, "--dtype", config.dtype]
     if config.cuda_graphs is False:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -82,7 +82,7 @@ class SamplingParams:
     max_new_tokens: generated tokens at most (the stop token included).
     stop_token_ids: extra ids that end the request, besides the model's EOS ids.
     ignore_eos: keep going past EOS (benchmarks); stop_token_ids still apply.
-    seed: seeds the sampling generator (a batch shares one generator).
+    seed: seeds the sampling generator, an int in [0, 2**64) (a batch shares one generator).
     """
 
     temperature: float = 0.0
@@ -118,8 +118,11 @@ class SamplingParams:
             if token < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {token}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
+        _check_bool("ignore_eos", self.ignore_eos)
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not 0 <= self.seed < 2**64:
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +134,12 @@ def _check_int(name: str, value: object) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
 
 
+def _check_bool(name: str, value: object, *, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        allowed = "True, False or None" if optional else "True or False"
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
@@ -138,8 +147,11 @@ def _check_number(name: str, value: object) -> None:
 
 def validate_prompt_ids(prompt: object, *, vocab_size: int, index: int = 0) -> list[int]:
     """Check one tokenized prompt; returns it as a list of ints."""
-    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-        raise TypeError(f"prompt {index} must be a sequence of token ids, got {type(prompt)}")
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        hint = " (convert it with .tolist())" if hasattr(prompt, "tolist") else ""
+        raise TypeError(
+            f"prompt {index} must be a list of token ids, got {type(prompt).__name__}{hint}"
+        )
     ids = list(prompt)
     if not ids:
         raise ValueError(f"prompt {index} is empty; give at least one token")
@@ -194,6 +206,13 @@ class EngineConfig:
     queue: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("device", "dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("chat_template", "queue"):
+            _check_bool(name, getattr(self, name))
+        for name in ("compile", "cuda_graphs"):
+            _check_bool(name, getattr(self, name), optional=True)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"

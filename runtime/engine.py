@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.default import default_model_dir
+from ..models.default import default_model_dir, resolve_draft
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from ..models.loading import load_draft, load_target
@@ -93,12 +93,15 @@ class Engine:
         cls,
         model_dir: str | Path | None = None,
         *,
-        draft: str | Path | None = None,
+        draft: str | Path | bool | None = None,
         config: EngineConfig | None = None,
         artifacts: str | Path | None = None,
     ) -> Engine:
-        """Load an HF Llama directory (None: the embedded SmolLM2-135M-Instruct) and, when
-        given, an EAGLE draft-head directory for speculative decoding.
+        """Load an HF Llama directory (None: the embedded SmolLM2-135M-Instruct) and an EAGLE
+        draft head for speculative decoding.
+
+        draft: a draft-head directory; None (the default) is the shipped head with the
+        embedded model and plain decoding with any other model; False decodes plainly.
 
         config: None for the defaults, with the draft head's recommended trees where its
         directory has them (`config.default_trees`).
@@ -107,6 +110,9 @@ class Engine:
         torch and device (else ValueError: what differs, how to rebuild). Its compiled steps
         are loaded and every bucket is warmed up (and captured) from them before returning.
         """
+        draft = resolve_draft(model_dir, draft)
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         config = config or EngineConfig(trees=default_trees(draft))
         if artifacts is not None:
             config = aot.artifact_config(config)
@@ -177,8 +183,12 @@ class Engine:
         return outputs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one request as tokens are decoded."""
+        """Yield text deltas of one request as tokens are decoded. The request is validated
+        here, so a bad one raises at the call, before the first delta is asked for."""
         [ids], [params] = self._requests([prompt], params)
+        return self._stream(ids, params)
+
+    def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[str]:
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         num_tokens, started = 0, time.perf_counter()
         stats = DecodeStats()
@@ -207,15 +217,12 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> tuple[list[list[int]], list[SamplingParams]]:
         """Encode and validate every request before anything runs."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        if isinstance(prompts, (str, bytes)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+        prompts = _prompt_list(prompts)
         encoded = [self.encode_prompt(p, index=i) for i, p in enumerate(prompts)]
         encoded, params = check_requests(
-            encoded, params or SamplingParams(), vocab_size=self.model.config.vocab_size
+            encoded,
+            SamplingParams() if params is None else params,
+            vocab_size=self.model.config.vocab_size,
         )
         max_bucket = self.config.buckets[-1]
         if len(encoded) > max_bucket and not self.config.queue:
@@ -266,6 +273,31 @@ class Engine:
         histogram.extend([0] * (len(stats.accepted_histogram) - len(histogram)))
         for depth, count in enumerate(stats.accepted_histogram):
             histogram[depth] += count
+
+
+def _prompt_list(prompts: object) -> list[Prompt]:
+    """One prompt (a string or a list of token ids) or a list of them, as a list."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(
+            f"prompts must be a string, a list of token ids, or a list of those; got "
+            f"{type(prompts).__name__}{_TOLIST_HINT if hasattr(prompts, 'tolist') else ''}"
+        )
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt")
+    if isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
+        return [prompts]
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, (str, list, tuple)):
+            raise TypeError(
+                f"prompt {index} must be a string or a list of token ids, got "
+                f"{type(prompt).__name__}{_TOLIST_HINT if hasattr(prompt, 'tolist') else ''}"
+            )
+    return list(prompts)
+
+
+_TOLIST_HINT = " (pass token ids as a list of ints: ids.tolist())"
 
 
 def _extend(token_ids: list[list[int]], finish: list[str], step: Step) -> None:

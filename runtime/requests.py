@@ -34,14 +34,47 @@ def check_requests(
     checked = [
         validate_prompt_ids(p, vocab_size=vocab_size, index=i) for i, p in enumerate(prompts)
     ]
-    if isinstance(params, SamplingParams):
-        params = [params] * len(checked)
-    params = list(params)
-    if len(params) != len(checked):
-        raise ValueError(f"got {len(params)} SamplingParams for {len(checked)} prompts")
-    if not all(isinstance(p, SamplingParams) for p in params):
-        raise TypeError("params must be SamplingParams (one, or one per prompt)")
+    params = _params_list(params, len(checked))
+    for index, p in enumerate(params):
+        _check_fits_vocabulary(p, index, vocab_size=vocab_size)
     return checked, params
+
+
+def _params_list(params: object, num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams for every prompt, or a list with one per prompt."""
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    if params is SamplingParams:
+        raise TypeError("params must be a SamplingParams instance, e.g. SamplingParams(), "
+                        "not the class")  # fmt: skip
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(
+            "params must be one SamplingParams or a list with one per prompt, got "
+            f"{type(params).__name__}"
+        )
+    if len(params) != num_prompts:
+        raise ValueError(
+            f"got {len(params)} SamplingParams for {num_prompts} prompts; pass one for all "
+            "prompts or exactly one per prompt"
+        )
+    for index, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"params[{index}] must be a SamplingParams, got {type(p).__name__}")
+    return list(params)
+
+
+def _check_fits_vocabulary(p: SamplingParams, index: int, *, vocab_size: int) -> None:
+    if p.top_k > vocab_size:
+        raise ValueError(
+            f"request {index}: top_k={p.top_k} is more than the model's {vocab_size} tokens; "
+            "use at most that, or 0 for no limit"
+        )
+    outside = [t for t in p.stop_token_ids if t >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"request {index}: stop_token_ids {outside[:8]} are outside the model's "
+            f"vocabulary [0, {vocab_size}); use ids from this model's tokenizer"
+        )
 
 
 def stop_mask(

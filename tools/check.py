@@ -1,6 +1,8 @@
 """`specrun check`: greedy decoding with and without speculation must agree token for token.
 
-It is how a user checks their own model, head and hardware. In float32 the outputs must be
+It is how a user checks their own model, head and hardware. With the embedded model it checks
+the shipped head unless `--draft` names another; the trees are the head's own table
+(`default_trees`) unless `--depth/--topk/--nodes` ask for one shape. In float32 the outputs must be
 identical; in bf16/fp16 a divergence can only come from a near-tie of the target's top two
 logits, which the command reports as such.
 """
@@ -12,9 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+from ..models.default import resolve_draft
 from ..runtime.config import EngineConfig, SamplingParams
 from ..runtime.engine import Engine
-from .generate import add_tree_arguments, tree_shape
+from .generate import add_tree_arguments, tree_table
 
 DEFAULT_PROMPTS = (
     "Write a haiku about eagles.",
@@ -29,7 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "check", help="verify that speculative greedy output equals plain greedy output"
     )
     parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
-    parser.add_argument("--draft", required=True, help="EAGLE draft-head directory")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
+    )
     parser.add_argument("--prompts", default=None, help="JSONL file of {'prompt': ...} lines")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="auto")
@@ -40,8 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
-    config = EngineConfig(device=args.device, dtype=args.dtype, trees={1: tree_shape(args)})
-    spec = Engine.from_pretrained(args.model, draft=args.draft, config=config)
+    draft = resolve_draft(args.model, args.draft)
+    if draft is None:
+        raise ValueError("--draft is needed with --model: pass the head directory to check")
+    trees = tree_table(args, draft=draft)
+    config = EngineConfig(device=args.device, dtype=args.dtype, trees=trees)
+    spec = Engine.from_pretrained(args.model, draft=draft, config=config)
     plain = Engine(spec.model, spec.tokenizer, config)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     want = plain.generate(prompts, params)
@@ -62,9 +73,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     stats = spec.stats()
+    bucket = config.bucket_for(min(len(prompts), config.buckets[-1]))
     print(
         f"{len(prompts) - num_bad}/{len(prompts)} prompts identical; mean accepted length "
-        f"{stats.mean_accepted_length:.2f} tokens/round over {stats.num_rounds} rounds"
+        f"{stats.mean_accepted_length:.2f} tokens/round over {stats.num_rounds} rounds "
+        f"(batch bucket {bucket}, tree {config.tree_for(bucket)})"
     )
     return 1 if num_bad else 0
 

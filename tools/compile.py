@@ -40,6 +40,7 @@ from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stoch
 from ..runtime.decoder import Decoder
 from ..runtime.graphs import artifacts
 from ..runtime.tree import TreeShape
+from .generate import draft_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,7 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "compile", help="compile every bucket's steps ahead of time into an artifact directory"
     )
     parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
-    parser.add_argument("--draft", default=None, help="EAGLE draft-head directory")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
+    )
+    parser.add_argument("--no-draft", action="store_true", help="plain decoding only")
     parser.add_argument("--out", type=Path, required=True, help="artifact directory to write")
     parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
     parser.add_argument(
@@ -108,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--jobs must be at least 1, not {args.jobs}")
     if args.jobs > 1 and args.only_buckets is not None:
         raise ValueError("--jobs builds the parts itself: leave out --only-buckets")
+    args.draft = draft_dir(args)  # resolved once: everything below reads args.draft
     config = engine_config(args)
     model_dir = args.model or default_model_dir()
     started = time.perf_counter()
@@ -206,8 +213,7 @@ def _job_command(args: argparse.Namespace) -> list[str]:
     command = [sys.executable, "-m", "specrun.tools.cli", "compile", "--force"]
     if args.model:
         command += ["--model", str(args.model)]
-    if args.draft:
-        command += ["--draft", str(args.draft)]
+    command += ["--draft", str(args.draft)] if args.draft else ["--no-draft"]
     command += ["--buckets", *map(str, args.buckets), "--max-seq-len", str(args.max_seq_len)]
     command += ["--device", args.device, "--dtype", args.dtype]
     if args.tree:

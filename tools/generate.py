@@ -7,7 +7,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..models.default import default_head_dir
+from ..models.default import resolve_draft
 from ..runtime.config import (
     DEFAULT_TREE,
     EngineConfig,
@@ -77,13 +77,9 @@ def run(args: argparse.Namespace) -> int:
 def draft_dir(args: argparse.Namespace) -> str | Path | None:
     """--draft, else the shipped head when the model is the embedded default; --no-draft:
     none."""
-    if args.no_draft:
-        if args.draft is not None:
-            raise ValueError("--draft and --no-draft contradict each other; pass one")
-        return None
-    if args.draft is None and args.model is None:
-        return default_head_dir()
-    return args.draft
+    if args.no_draft and args.draft is not None:
+        raise ValueError("--draft and --no-draft contradict each other; pass one")
+    return resolve_draft(args.model, False if args.no_draft else args.draft)
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:

@@ -86,7 +86,10 @@ class TreeAttention:
 class TreeAttentionFusion(GraphPass):
     """Replace every reference tree attention by `rt::tree_attention`; returns the number
     fused. `num_fused_by_form` counts them by the SDPA lowering they replaced,
-    `num_fixed_config` those in graphs with dynamic shapes (given one launch config)."""
+    `num_fixed_config` those in graphs with dynamic shapes (given one launch config), and
+    `num_unfused_by_reason` the attention calls left as they were, by why (`unfused_reason`):
+    every attention the models make is a tree attention, so any entry there is a call the
+    Triton op does not get."""
 
     name = "tree_attention"
     version = 2
@@ -94,15 +97,22 @@ class TreeAttentionFusion(GraphPass):
     def __init__(self) -> None:
         self.num_fused_by_form: Counter[str] = Counter()
         self.num_fixed_config = 0
+        self.num_unfused_by_reason: Counter[str] = Counter()
 
     def __call__(self, graph: fx.Graph) -> int:
-        matches = [m for node in graph.nodes if (m := match_tree_attention(node)) is not None]
-        fixed = [_has_symbolic_shapes(match) for match in matches]
-        fused = [(m, f) for m, f in zip(matches, fixed, strict=True) if _fuse(graph, m, f)]
+        calls = [call for node in graph.nodes if (call := match_sdpa(node)) is not None]
+        matches = [match_tree_attention(call.output) for call in calls]
+        fused = []
+        for call, match in zip(calls, matches, strict=True):
+            fixed = match is not None and _has_symbolic_shapes(match)
+            reason = unfused_reason(call) if match is None else _fuse(graph, match, fixed)
+            if reason is None:
+                fused.append((match, fixed))
+            else:
+                self.num_unfused_by_reason[reason] += 1
+                logger.warning("attention %s (%s) left unfused: %s", call.output, call.form, reason)
         self.num_fused_by_form.update(match.form for match, _ in fused)
         self.num_fixed_config += sum(f for _, f in fused)
-        if len(fused) < len(matches):
-            logger.info("%d tree attentions left unfused", len(matches) - len(fused))
         return len(fused)
 
 
@@ -120,6 +130,18 @@ def match_tree_attention(node: fx.Node) -> TreeAttention | None:
         return None
     args = (call.query, k_parts[0], v_parts[0], mask.cache_len, k_parts[1], v_parts[1], mask.anc)
     return TreeAttention(call.output, args, call.scale, call.form)
+
+
+def unfused_reason(call: SdpaCall) -> str:
+    """Why an attention call is not a tree attention: the first part that differs."""
+    mask = match_tree_mask(call.bias)
+    if mask is None:
+        return f"its bias ({call.bias.target}) is not the reference tree mask"
+    if _match_cache_then_tree(call.key, mask) is None:
+        return "its keys are not cat([cache, tree]) of the mask's lengths"
+    if _match_cache_then_tree(call.value, mask) is None:
+        return "its values are not cat([cache, tree]) of the mask's lengths"
+    return "its query's batch or rows differ from the mask's"
 
 
 def _fits(call: SdpaCall, mask: TreeMask) -> bool:
@@ -269,11 +291,13 @@ def _match_cache_then_tree(node: fx.Node, mask: TreeMask) -> tuple[fx.Node, fx.N
     return cache, tree
 
 
-def _fuse(graph: fx.Graph, match: TreeAttention, fixed_config: bool) -> bool:
-    """Swap the match's output for one `rt::tree_attention` call, if the op takes the inputs."""
+def _fuse(graph: fx.Graph, match: TreeAttention, fixed_config: bool) -> str | None:
+    """Swap the match's output for one `rt::tree_attention` call if the op takes the inputs;
+    else leave it and return why not."""
     values = [tensor_val(arg) for arg in match.args]
-    if not _op_takes(values, match.scale):
-        return False
+    refusal = _op_refusal(values, match.scale)
+    if refusal is not None:
+        return refusal
     kwargs = {"scale": match.scale, "fixed_config": fixed_config}
     with graph.inserting_before(match.output):
         fused = graph.call_function(torch.ops.rt.tree_attention.default, match.args, kwargs)
@@ -284,7 +308,7 @@ def _fuse(graph: fx.Graph, match: TreeAttention, fixed_config: bool) -> bool:
             fused.meta[key] = match.output.meta[key]
     match.output.replace_all_uses_with(fused)
     _erase_fused_attention(graph, match.output)
-    return True
+    return None
 
 
 def _has_symbolic_shapes(match: TreeAttention) -> bool:
@@ -305,13 +329,13 @@ def _erase_fused_attention(graph: fx.Graph, output: fx.Node) -> None:
     graph.erase_node(op)
 
 
-def _op_takes(values: list[torch.Tensor], scale: float) -> bool:
-    """Whether `rt::tree_attention` runs these arguments (CUDA: what the kernel supports)."""
+def _op_refusal(values: list[torch.Tensor], scale: float) -> str | None:
+    """Why `rt::tree_attention` does not run these arguments (CUDA: what the kernel supports),
+    or None when it does."""
     if values[0].device.type != "cuda":
-        return True
+        return None
     try:
         check_inputs(*values, scale=scale)
     except ValueError as error:
-        logger.debug("tree attention left unfused: %s", error)
-        return False
-    return True
+        return f"the CUDA kernel does not take it: {error}"
+    return None

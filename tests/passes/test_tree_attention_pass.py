@@ -274,6 +274,8 @@ def test_leaves_other_attention_alone(attention):
     step = compile_step(attention, name="other")
     torch.testing.assert_close(step(*args), attention(*args), atol=1e-5, rtol=1e-5)
     assert step.manager.stats["tree_attention"] == 0
+    # The call is seen and left alone for a stated reason.
+    assert sum(step.manager.passes[0].num_unfused_by_reason.values()) == 1
 
 
 class _SourcePass(GraphPass):
