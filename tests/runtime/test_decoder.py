@@ -136,19 +136,28 @@ def test_greedy_batches_run_a_stochastic_bucket_as_its_top_k_tree(target, monkey
 
 
 def test_stop_ids_max_new_zero_and_statistics(target):
+    """A stop id ends the request at its first occurrence (the stop token included); the
+    stop id is the fifth token the request decodes without stop ids, so it ends mid-answer."""
     decoder = _decoder(target)
+    (free,), _ = _reference(target, PROMPTS[1:2], [SamplingParams(max_new_tokens=30)])
+    assert len(free) == 30 and free[4] not in free[:4]
     params = [
         SamplingParams(max_new_tokens=0),
-        SamplingParams(max_new_tokens=30, stop_token_ids=(7, 9)),
+        SamplingParams(max_new_tokens=30, stop_token_ids=(free[4], 9)),
     ]
     stats = DecodeStats()
     got = decode_tokens(decoder, PROMPTS[:2], params, stats=stats)
     assert got == _reference(target, PROMPTS[:2], params)
-    assert (got[0][0] == [] and got[1][0] == "length") or got[1][1] in ("stop", "length")
+    end = next(i for i, token in enumerate(free) if token in (free[4], 9)) + 1
+    assert got == ([[], free[:end]], ["length", "stop"])
     assert stats.num_requests == 2 and len(stats.per_request) == 2
     assert stats.per_request[0].num_rounds == 0
-    assert sum(stats.accepted_histogram) == stats.per_request[1].num_rounds
+    assert sum(stats.accepted_histogram) == stats.per_request[1].num_rounds > 0
     assert len(stats.accepted_histogram) == 3  # bucket 2: depth 2
+    # The prefill emits one token, each round its accepted tokens and the bonus, the last
+    # round cut short by the stop token (by at most the depth).
+    most = 1 + stats.per_request[1].num_rounds + stats.per_request[1].num_accepted
+    assert most - 2 <= end <= most
 
 
 def test_requests_that_do_not_fit_are_refused_before_any_state_changes(target):

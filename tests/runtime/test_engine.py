@@ -12,12 +12,14 @@ from specrun.models.eagle import build_draft
 from specrun.models.loading import save_draft
 from specrun.runtime import Engine, EngineConfig, SamplingParams
 from specrun.runtime.tree import TreeShape
+from tiny_models import TargetAsDraft
 
+DEPTH = 3
 CONFIG = EngineConfig(
     device="cpu",
     dtype="float32",
     buckets=(1, 2, 4),
-    trees={1: TreeShape(3, 3, 8)},
+    trees={1: TreeShape(DEPTH, 3, 8), 2: TreeShape(DEPTH, 3, 8)},
     max_seq_len=512,
 )
 
@@ -35,6 +37,14 @@ def spec_engine(smollm_dir, engine, tmp_path_factory) -> Engine:
     return Engine.from_pretrained(smollm_dir, draft=head_dir, config=CONFIG)
 
 
+def _assert_tokens_match_rounds(output, depth: int) -> None:
+    """The prefill emits one token and every round its accepted draft tokens and the bonus,
+    except the request's last round, which max_new_tokens or a stop token may cut short by
+    at most `depth` tokens (plain decoding, depth 0: exactly one token a round)."""
+    most = 1 + output.stats.num_rounds + output.stats.num_accepted
+    assert most - depth <= len(output.token_ids) <= most, (output.token_ids, output.stats)
+
+
 def test_generate_stream_and_speculation_agree(engine, spec_engine):
     params = SamplingParams(max_new_tokens=12)
     prompts = ["What is the capital of France?", [1, 2, 3, 4]]
@@ -43,11 +53,35 @@ def test_generate_stream_and_speculation_agree(engine, spec_engine):
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert plain[0].text == engine.tokenizer.decode(plain[0].token_ids, skip_special_tokens=True)
     assert "Paris" in plain[0].text
-    assert "".join(spec_engine.stream(prompts[0], params)) == spec[0].text
-    assert spec[0].stats is not None and spec[0].stats.num_rounds >= 1
+    for out in plain:
+        assert out.stats.num_accepted == 0
+        _assert_tokens_match_rounds(out, depth=0)
+    for out in spec:
+        _assert_tokens_match_rounds(out, depth=DEPTH)
+    # The engine's totals of its one batch are its requests' counts.
     stats = spec_engine.stats()
-    assert stats.num_requests == 3 and stats.num_rounds > 0
-    assert 1.0 <= stats.mean_accepted_length <= 4.0
+    assert stats.num_requests == 2
+    assert stats.num_generated_tokens == sum(len(o.token_ids) for o in spec)
+    assert stats.num_rounds == max(o.stats.num_rounds for o in spec)
+    assert len(stats.accepted_histogram) == DEPTH + 1
+    assert sum(stats.accepted_histogram) == sum(o.stats.num_rounds for o in spec)
+    accepted = sum(a * n for a, n in enumerate(stats.accepted_histogram))
+    assert accepted == sum(o.stats.num_accepted for o in spec)
+    assert "".join(spec_engine.stream(prompts[0], params)) == spec[0].text
+    assert spec_engine.stats().num_requests == 3
+
+
+def test_a_perfect_draft_is_accepted_whole_in_every_round_but_the_last(engine):
+    """With the target as its draft (TargetAsDraft) the tree holds the target's greedy path,
+    so every round but the request's last accepts all DEPTH draft tokens."""
+    perfect = Engine(engine.model, engine.tokenizer, CONFIG, head=TargetAsDraft(engine.model))
+    params = SamplingParams(max_new_tokens=12)
+    (want,) = engine.generate("What is the capital of France?", params)
+    (out,) = perfect.generate("What is the capital of France?", params)
+    assert out.token_ids == want.token_ids
+    rounds, accepted = out.stats.num_rounds, out.stats.num_accepted
+    assert rounds >= 2 and accepted >= DEPTH * (rounds - 1), out.stats
+    _assert_tokens_match_rounds(out, depth=DEPTH)
 
 
 def test_stop_at_eos_and_finish_reasons(engine):

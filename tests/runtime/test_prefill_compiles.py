@@ -1,12 +1,12 @@
 """Compiled prefills compile once per batch kind, whatever the bucket and the prompt lengths.
 
-The prefill forwards are compiled with dynamic shapes. Their inputs once made Dynamo
+The prefill forwards are compiled with dynamic shapes. Some inputs would make Dynamo
 recompile for every bucket and many prompt lengths: a bucket's KV view of the shared store
-(its layer stride depends on the largest bucket), duck-sized batch and length dims that were
-specialised with the model dims they happened to equal, lengths of 1 (0/1 specialisation) and
-bitmasks of one word. prefill.py now feeds both forwards fresh, explicitly dynamic inputs, so
+(its layer stride depends on the largest bucket), duck-sized batch and length dims that get
+specialised with the model dims they happen to equal, lengths of 1 (0/1 specialisation) and
+bitmasks of one word. prefill.py feeds both forwards fresh, explicitly dynamic inputs instead, so
 a prefill compiles one graph for batch 1 and one for every larger batch, and decoding from
-compiled prefills still reproduces eager decoding token for token (float64: greedy decoding is
+compiled prefills reproduces eager decoding token for token (float64: greedy decoding is
 exact). Rounds run eagerly here: compiling them would triple the test's time, and compiled
 rounds are covered elsewhere (tests/graphs, the GPU tier).
 """

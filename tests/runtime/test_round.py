@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specrun.runtime.config import SamplingParams
-from specrun.runtime.round import speculative_round
+from specrun.runtime.round import ReportColumns, speculative_round
 from specrun.runtime.tree import TreeShape
 from tiny_models import TargetAsDraft, prefilled_state, random_head, random_llama, tiny_config
 
@@ -19,7 +19,8 @@ def _fresh_state(target, head, shape, params):
 
 
 @pytest.mark.parametrize(
-    ("kind", "temperature"), [("eagle1", 0.8), ("eagle3", 0.0), ("dense", 0.8)]
+    ("kind", "temperature"),
+    [("eagle1", 0.8), ("eagle3", 0.0), ("dense", 0.8), ("perfect", 0.0), ("perfect", 0.8)],
 )
 def test_round_traces_without_graph_breaks_and_matches_eager(kind, temperature):
     torch._dynamo.reset()
@@ -37,6 +38,8 @@ def test_round_traces_without_graph_breaks_and_matches_eager(kind, temperature):
             torch.manual_seed(7)
             got = compiled(target, head, compiled_state, shape)
             assert torch.equal(got, want)
+            if kind == "perfect":  # the target as its draft: the rounds accept draft tokens
+                assert bool((want[:, ReportColumns.NUM_ACCEPTED] > 0).any()), want
     assert torch.equal(compiled_state.output, eager_state.output)
     assert torch.equal(compiled_state.target.lengths, eager_state.target.lengths)
     assert torch.equal(compiled_state.draft.k, eager_state.draft.k)
