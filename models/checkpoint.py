@@ -9,6 +9,8 @@ Legacy .bin files are only ever opened with `torch.load(weights_only=True, mmap=
 code in them runs, and their data stays in the page cache until each tensor is converted.
 Key names are the files' own; renaming is loading.py's business. `write_safetensors` writes
 one model.safetensors, or shards plus an index when a size limit asks for them.
+A file that cannot be read (truncated by an interrupted download, a Git LFS pointer, a
+malformed index) is a ValueError naming it and saying how to get a good copy.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import json
 import logging
 import pickle
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
@@ -96,7 +99,7 @@ class Checkpoint:
         if shard in self._bin_states:
             state = self._bin_states[shard]
             return {name: TensorInfo(tuple(t.shape), t.dtype) for name, t in state.items()}
-        with safe_open(shard, framework="pt") as f:
+        with _open_safetensors(shard) as f:
             # safe_open handles are not iterable, hence .keys().
             return {name: _safetensors_info(f, name, shard) for name in f.keys()}  # noqa: SIM118
 
@@ -110,7 +113,7 @@ class Checkpoint:
                 state = self._bin_states[shard]
                 yield from ((name, state[name]) for name in shard_names)
                 continue
-            with safe_open(shard, framework="pt", device="cpu") as f:
+            with _open_safetensors(shard, device="cpu") as f:
                 yield from ((name, f.get_tensor(name)) for name in shard_names)
 
 
@@ -124,15 +127,66 @@ def _find_weights(directory: Path) -> Path:
 def _shard_files(path: Path) -> list[Path]:
     if not path.name.endswith(".index.json"):
         return [path]
-    with path.open() as f:
-        weight_map = json.load(f).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{path} has no weight_map")
-    shards = [path.parent / name for name in sorted(set(weight_map.values()))]
+    shards = [path.parent / name for name in sorted(set(_weight_map(path).values()))]
     missing = [str(s.name) for s in shards if not s.is_file()]
     if missing:
-        raise ValueError(f"{path} names shard file(s) that do not exist: {missing}")
+        raise ValueError(
+            f"{path} names shard file(s) that do not exist: {missing}; {_GET_A_GOOD_COPY}"
+        )
     return shards
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """The tensor name -> shard file map of a Hugging Face index file."""
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        where = f"{error.msg} at line {error.lineno} column {error.colno}"
+        raise ValueError(f"{path} is not valid JSON ({where}); {_GET_A_GOOD_COPY}") from error
+    except UnicodeDecodeError as error:
+        reason = f"is not UTF-8 text ({error.reason})"
+        raise ValueError(f"{path} {reason}; {_GET_A_GOOD_COPY}") from error
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(
+            f'{path} has no "weight_map" object naming the shard of each tensor; {_GET_A_GOOD_COPY}'
+        )
+    # Shards live beside the index: a name with a directory in it is not a shard of this model.
+    bad = [f for f in weight_map.values() if not isinstance(f, str) or Path(f).name != f]
+    if bad:
+        raise ValueError(
+            f'{path}: "weight_map" must map tensor names to shard file names beside it, '
+            f"got {bad[:3]}; {_GET_A_GOOD_COPY}"
+        )
+    return weight_map
+
+
+_GET_A_GOOD_COPY = "re-download the model, or re-convert it if you wrote it yourself"
+_LFS_POINTER = b"version https://git-lfs"
+
+
+@contextmanager
+def _open_safetensors(shard: Path, **kwargs) -> Iterator:
+    """safe_open, with a file it cannot read reported as a ValueError that names it."""
+    try:
+        with safe_open(shard, framework="pt", **kwargs) as f:
+            yield f
+    except SafetensorError as error:
+        raise ValueError(_unreadable(shard, str(error))) from error
+
+
+def _unreadable(path: Path, reason: str) -> str:
+    """Why `path` cannot be read, and what to do about it."""
+    with path.open("rb") as f:
+        start = f.read(len(_LFS_POINTER))
+    if start == _LFS_POINTER:
+        # A clone without git-lfs holds ~130-byte pointer files in place of the weights.
+        fetch = "run `git lfs pull` in its repository"
+        return f"{path} is a Git LFS pointer, not the weights: {fetch}, or {_GET_A_GOOD_COPY}"
+    size = path.stat().st_size
+    # The first sentence says what failed; torch appends a paragraph of guesses.
+    reason = reason.splitlines()[0].split(". ")[0]
+    return f"{path} is truncated or corrupt ({size} bytes; {reason}); {_GET_A_GOOD_COPY}"
 
 
 def _safetensors_info(f, name: str, shard: Path) -> TensorInfo:
@@ -147,10 +201,16 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     """A legacy PyTorch state dict, unpickled with weights_only (no code runs) and mmap."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+    except (EOFError, OSError) as error:
+        raise ValueError(_unreadable(path, str(error))) from error
+    except (pickle.UnpicklingError, RuntimeError) as error:
+        reason = str(error).splitlines()[0]
+        # torch's zip reader failing means a damaged file, not a refused object inside it.
+        if "zip archive" in reason:
+            raise ValueError(_unreadable(path, reason)) from error
         raise ValueError(
             f"{path} is not a plain tensor checkpoint readable with "
-            f"torch.load(weights_only=True, mmap=True): {str(error).splitlines()[0]}"
+            f"torch.load(weights_only=True, mmap=True): {reason}"
         ) from error
     if not isinstance(state, Mapping):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a dict of tensors")

@@ -276,36 +276,64 @@ _HEAD_OF_KIND: dict[str, type[DraftHead]] = {
 
 def check_compatible(config: DraftConfig, target: Llama) -> None:
     """Raise ValueError naming every way `config` cannot run on `target`."""
-    problems = []
-    target_cfg = target.config
-    if config.layer.vocab_size != target_cfg.vocab_size:
-        problems.append(
-            f"vocab_size {config.layer.vocab_size} != target vocab_size {target_cfg.vocab_size}"
-        )
-    if config.feature_size != target_cfg.hidden_size:
-        problems.append(
-            f"the head reads target features of width {config.feature_size} "
-            f"(target_hidden_size), the target's hidden_size is {target_cfg.hidden_size}"
-        )
-    if config.kind != "eagle3" and config.hidden_size != target_cfg.hidden_size:
-        problems.append(
-            f"{config.kind} heads share the target's embedding, so hidden_size "
-            f"{config.hidden_size} must equal the target's {target_cfg.hidden_size}"
-        )
-    if config.kind == "eagle3":
-        problems += _tap_problems(config, target)
+    problems = _size_problems(config, target)
+    if problems:
+        # A head sized for another model cannot be adapted: no tap choice fixes a width.
+        problems.append("use a head trained for this target")
+    elif config.kind == "eagle3":
+        problems = _tap_problems(config, target)
     if problems:
         raise ValueError("draft head does not fit the target: " + "; ".join(problems))
 
 
+def _size_problems(config: DraftConfig, target: Llama) -> list[str]:
+    target_cfg = target.config
+    problems = []
+    if config.layer.vocab_size != target_cfg.vocab_size:
+        problems.append(
+            f"it was trained for vocab_size {config.layer.vocab_size}, "
+            f"the target's vocab_size is {target_cfg.vocab_size}"
+        )
+    if config.feature_size != target_cfg.hidden_size:
+        source = " (its target_hidden_size)" if config.target_hidden_size else ""
+        problems.append(
+            f"it was trained on a target with hidden_size {config.feature_size}{source}, "
+            f"this target's hidden_size is {target_cfg.hidden_size}"
+        )
+    elif config.kind != "eagle3" and config.hidden_size != target_cfg.hidden_size:
+        problems.append(
+            f"{config.kind} heads share the target's embedding, so their hidden_size "
+            f"({config.hidden_size}) must equal the target's ({target_cfg.hidden_size})"
+        )
+    return problems
+
+
 def _tap_problems(config: DraftConfig, target: Llama) -> list[str]:
+    head_taps = config.tap_layers
+    if head_taps is not None and len(head_taps) != NUM_EAGLE3_TAPS:
+        return [
+            f"EAGLE-3 heads read {NUM_EAGLE3_TAPS} target taps, it lists {len(head_taps)} "
+            f"(tap_layers={head_taps}, eagle_aux_hidden_state_layer_ids in config.json)"
+        ]
+    depth = target.config.num_layers
+    too_deep = [t for t in head_taps or () if t > depth]
+    if too_deep:
+        layer_outputs = [t - 1 for t in too_deep]
+        return [
+            f"it taps layer(s) {too_deep} (eagle_aux_hidden_state_layer_ids {layer_outputs}) "
+            f"but the target has {depth} layers (taps 0..{depth}, tap i being the input of "
+            "layer i); it was trained for a deeper model: use a head trained for this target"
+        ]
+    fix = f"load the target with tap_layers={head_taps or None}"
     if len(target.tap_layers) != NUM_EAGLE3_TAPS:
         taps = target.tap_layers
-        return [f"EAGLE-3 needs {NUM_EAGLE3_TAPS} target taps, the target has tap_layers={taps}"]
-    if config.tap_layers is not None and tuple(config.tap_layers) != tuple(target.tap_layers):
         return [
-            f"the head was trained on taps {config.tap_layers}, the target produces "
-            f"{target.tap_layers}; load the target with tap_layers={config.tap_layers}"
+            f"EAGLE-3 needs {NUM_EAGLE3_TAPS} target taps, the target has tap_layers={taps}; {fix}"
+        ]
+    if head_taps is not None and tuple(head_taps) != tuple(target.tap_layers):
+        return [
+            f"the head was trained on taps {head_taps}, the target produces "
+            f"{target.tap_layers}; {fix}"
         ]
     return []
 

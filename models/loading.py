@@ -99,7 +99,10 @@ def load_draft(
     dtype = dtype or target.embed_tokens.weight.dtype
     device = device or target.embed_tokens.weight.device
     with torch.device("meta"):
-        head = build_draft(config, target)
+        try:
+            head = build_draft(config, target)
+        except ValueError as error:
+            raise ValueError(f"{directory}: {error}") from error
     names = _rename(checkpoint.infos, prefixes=DRAFT_PREFIXES)
     expected = specs_of(head)
     optional = {}
