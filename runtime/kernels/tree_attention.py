@@ -17,15 +17,15 @@ splits past a slot's length run an empty loop and contribute an empty (-inf) par
 
 `tree_attention_ref` is the same function in plain PyTorch, written as an explicit two-part
 softmax with an LSE merge; it is the CPU implementation of the op and the oracle in tests.
+The kernels live in tree_attention_triton.py, imported at the first launch, so this module
+loads without Triton, where the op runs the reference on every device (see _triton.py).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
+from ._triton import rt_op, uses_triton
 from .tree_attention_config import (
     LaunchConfig,
     check_inputs,
@@ -33,186 +33,7 @@ from .tree_attention_config import (
     num_multiprocessors,
 )
 
-_LOG2E = 1.4426950408889634
 _BITS_PER_WORD = 64
-
-
-@triton.jit
-def _softmax_block(
-    q, k, v, visible, m_i, l_i, acc, qk_scale,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step (base 2, running max in scaled units) of q [R, D] over a key
-    block k, v [K, D]; `visible` [R, K] is applied only when MASKED."""
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if MASKED:
-        qk = tl.where(visible, qk, float("-inf"))
-    # scale > 0, so max(qk) * scale = max(qk * scale), and qk * scale - m is one FMA.
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _prefix_step(
-    q, kc_base, vc_base, skc_s, svc_s, start, hi, keys, m_i, l_i, acc, qk_scale,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Load cache keys [start, start + BLOCK_N) (masked to < hi when MASKED) and attend."""
-    pos = start + keys
-    if MASKED:
-        key_ok = pos < hi
-        k = tl.load(kc_base + pos[:, None] * skc_s, mask=key_ok[:, None], other=0.0)
-        v = tl.load(vc_base + pos[:, None] * svc_s, mask=key_ok[:, None], other=0.0)
-        visible = key_ok[None, :]
-    else:
-        k = tl.load(kc_base + pos[:, None] * skc_s)
-        v = tl.load(vc_base + pos[:, None] * svc_s)
-        visible = None
-    return _softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION)
-
-
-# Arguments that vary with a prefill's prompt length: left unspecialised (Triton would
-# otherwise compile a variant per "== 1" / "% 16 == 0" case), so the kernel compiled for one
-# length, at warm-up or in ahead-of-time artifacts, serves every length that gets the same
-# launch config.
-_LENGTH_ARGS = ("sa_b", "sa_m", "num_queries", "num_tree")
-
-
-@triton.jit(do_not_specialize=_LENGTH_ARGS)
-def _tree_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, cache_len_ptr, kt_ptr, vt_ptr, anc_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    sq_b, sq_h, sq_m, sq_d,
-    skc_b, skc_h, skc_s, skc_d,
-    svc_b, svc_h, svc_s, svc_d,
-    skt_b, skt_h, skt_n, skt_d,
-    svt_b, svt_h, svt_n, svt_d,
-    sa_b, sa_m, sa_w,
-    num_kv_heads, num_queries, num_tree, cache_size, split_len, num_splits, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIALS: tl.constexpr, PEEL_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Program (row block, split, slot * kv head).
-
-    With one split, a program attends to the whole prefix and then the tree keys and writes
-    the output. Otherwise splits 0 .. num_splits - 2 each take one prefix range and the last
-    split takes the tree keys alone (its latency overlaps the prefix instead of adding to it);
-    each writes a normalised partial output and its base-2 LSE for the combine kernel.
-    PEEL_TAIL runs full prefix blocks unmasked and masks only the last one: it pays where the
-    tensor cores bind (many rows) and costs occupancy where bandwidth binds (few rows)."""
-    row_block = tl.program_id(0)
-    split = tl.program_id(1)
-    slot_head = tl.program_id(2)
-    b = (slot_head // num_kv_heads).to(tl.int64)
-    kv_head = (slot_head % num_kv_heads).to(tl.int64)
-
-    rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < GROUP * num_queries
-    m_idx = rows % num_queries
-    head = kv_head * GROUP + rows // num_queries
-    dims = tl.arange(0, HEAD_DIM)
-    keys = tl.arange(0, BLOCK_N)
-
-    q_rows = q_ptr + b * sq_b + head * sq_h + m_idx * sq_m
-    q = tl.load(q_rows[:, None] + dims[None, :] * sq_d, mask=row_ok[:, None], other=0.0)
-
-    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64
-    # Finite start so fully masked rows give alpha = 1, p = 0 instead of NaN.
-    m_i = tl.full([BLOCK_R], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
-
-    kc_base = kc_ptr + b * skc_b + kv_head * skc_h + dims[None, :] * skc_d
-    vc_base = vc_ptr + b * svc_b + kv_head * svc_h + dims[None, :] * svc_d
-    length = tl.minimum(tl.load(cache_len_ptr + b).to(tl.int32), cache_size)
-    if WRITE_PARTIALS:
-        length = tl.where(split == num_splits - 1, 0, length)
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, length)
-    if PEEL_TAIL:
-        full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-        for start in range(lo, full_end, BLOCK_N):
-            m_i, l_i, acc = _prefix_step(
-                q, kc_base, vc_base, skc_s, svc_s, start, hi, keys, m_i, l_i, acc, qk_scale,
-                MASKED=False, DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
-        if full_end < hi:
-            m_i, l_i, acc = _prefix_step(
-                q, kc_base, vc_base, skc_s, svc_s, full_end, hi, keys, m_i, l_i, acc, qk_scale,
-                MASKED=True, DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _prefix_step(
-                q, kc_base, vc_base, skc_s, svc_s, start, hi, keys, m_i, l_i, acc, qk_scale,
-                MASKED=True, DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
-
-    if split == num_splits - 1:
-        kt_base = kt_ptr + b * skt_b + kv_head * skt_h + dims[None, :] * skt_d
-        vt_base = vt_ptr + b * svt_b + kv_head * svt_h + dims[None, :] * svt_d
-        anc_rows = anc_ptr + b * sa_b + m_idx * sa_m
-        for start in range(0, num_tree, BLOCK_N):
-            node = start + keys
-            key_ok = node < num_tree
-            k = tl.load(kt_base + node[:, None] * skt_n, mask=key_ok[:, None], other=0.0)
-            v = tl.load(vt_base + node[:, None] * svt_n, mask=key_ok[:, None], other=0.0)
-            word_ptrs = anc_rows[:, None] + (node // 64)[None, :] * sa_w
-            both_ok = row_ok[:, None] & key_ok[None, :]
-            words = tl.load(word_ptrs, mask=both_ok, other=0)
-            bits = (words >> (node % 64).to(tl.int64)[None, :]) & 1
-            m_i, l_i, acc = _softmax_block(
-                q, k, v, both_ok & (bits != 0), m_i, l_i, acc, qk_scale, MASKED=True,
-                DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
-
-    has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    # Output rows in (slot, query, head) order: the [B, M, Hq, D] layout the output
-    # projection reads, so that no copy is needed to bring the heads together.
-    out_rows = (b * num_queries + m_idx) * (GROUP * num_kv_heads) + head
-    if not WRITE_PARTIALS:
-        out_ptrs = out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :]
-        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        part_rows = out_rows * num_splits + split
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
-        part_ptrs = part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :]
-        tl.store(part_ptrs, o, mask=row_ok[:, None])
-
-
-@triton.jit
-def _tree_attention_combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
-):  # fmt: skip
-    """Merge one output row's per-split partials by their base-2 LSE (all splits in one load)."""
-    row = tl.program_id(0).to(tl.int64)
-    splits = tl.arange(0, SPLITS_P2)
-    split_ok = splits < num_splits
-    dims = tl.arange(0, HEAD_DIM)
-    part_rows = row * num_splits + splits
-    lse = tl.load(part_lse_ptr + part_rows, mask=split_ok, other=float("-inf"))
-    part = tl.load(
-        part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_ok[:, None],
-        other=0.0,
-    )
-    lse_max = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    denom = tl.sum(weight, 0)
-    o = tl.sum(weight[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, o.to(out_ptr.dtype.element_ty))
-
-
-def _wrap(kernel):
-    """wrap_triton, except for TRITON_INTERPRET kernels (older torch rejects those)."""
-    return wrap_triton(kernel) if isinstance(kernel, triton.runtime.JITFunction) else kernel
 
 
 def launch_tree_attention(
@@ -227,51 +48,16 @@ def launch_tree_attention(
     scale: float,
     config: LaunchConfig,
 ) -> torch.Tensor:
-    """Run the Triton kernels with an explicit launch config (shapes as in `tree_attention`).
+    """Run the Triton kernels with an explicit launch config (shapes as in `tree_attention`;
+    needs Triton). Used by the op (config from `launch_config`), by tuning sweeps and by the
+    interpreter tests."""
+    # Imported here, not at the top: this module must load where Triton is missing.
+    from .tree_attention_triton import launch_tree_attention as launch
 
-    Used by the op (config from `launch_config`), by tuning sweeps and by the interpreter tests.
-    """
-    batch, num_q_heads, num_queries, head_dim = q.shape
-    num_kv_heads, cache_size = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty(
-        (batch, num_queries, num_q_heads, head_dim), dtype=q.dtype, device=q.device
-    ).transpose(1, 2)
-    # Past one prefix split, the tree keys get a split of their own (see the kernel).
-    num_splits = config.num_splits + 1 if config.num_splits > 1 else 1
-    num_out_rows = batch * num_q_heads * num_queries
-    if num_splits > 1:
-        part_out = torch.empty(
-            (num_out_rows, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty((num_out_rows, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out
-    group = num_q_heads // num_kv_heads
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(group * num_queries, config.block_r), num_splits, batch * num_kv_heads)
-    _wrap(_tree_attention_kernel)[grid](
-        q, k_cache, v_cache, cache_len, k_tree, v_tree, anc,
-        out, part_out, part_lse,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        *k_tree.stride(), *v_tree.stride(), *anc.stride(),
-        num_kv_heads, num_queries, k_tree.shape[2], cache_size, config.split_len, num_splits,
-        scale * _LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_R=config.block_r, BLOCK_N=config.block_n,
-        WRITE_PARTIALS=num_splits > 1, PEEL_TAIL=config.block_r >= 64,
-        DOT_PRECISION=dot_precision,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    if num_splits > 1:
-        splits_p2 = triton.next_power_of_2(num_splits)
-        _wrap(_tree_attention_combine_kernel)[(num_out_rows,)](
-            part_out, part_lse, out, num_splits,
-            HEAD_DIM=head_dim, SPLITS_P2=splits_p2,
-            num_warps=4 if splits_p2 * head_dim <= 8192 else 8,
-        )  # fmt: skip
-    return out
+    return launch(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale, config=config)
 
 
-@triton_op("rt::tree_attention", mutates_args=())
+@rt_op("rt::tree_attention")
 def _tree_attention_op(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -285,8 +71,9 @@ def _tree_attention_op(
     fixed_config: bool = False,
 ) -> torch.Tensor:
     # Also the fake impl and the decomposition torch.compile inlines: non-CUDA tensors
-    # (CPU, meta) take the reference so the op traces and compiles everywhere.
-    if q.device.type != "cuda":
+    # (CPU, meta), and any tensors without Triton, take the reference so the op traces and
+    # compiles everywhere.
+    if not uses_triton(q.device):
         return tree_attention_ref(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
     check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
     batch, num_q_heads, num_queries, head_dim = q.shape

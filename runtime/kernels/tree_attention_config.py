@@ -15,7 +15,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 # Below one program per multiprocessor, the prefix is split until there are about this many.
@@ -59,6 +58,17 @@ class LaunchConfig:
             )
 
 
+# triton.cdiv and triton.next_power_of_2 on host ints, written out so that the config (and the
+# fusion pass's input checks) load where Triton is missing.
+def _cdiv(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1, where only max(16, ...) reads it)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @functools.cache
 def _num_multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -77,7 +87,7 @@ def _tile_shape(num_rows: int, head_dim: int) -> tuple[int, int, int]:
     are bound by the tensor cores and the softmax: 64-row blocks over 32-key blocks measured
     faster than 128-row blocks (which also overflow shared memory at 64 keys and 3 stages).
     """
-    block_r = min(max(16, triton.next_power_of_2(num_rows)), 64)
+    block_r = min(max(16, _next_power_of_2(num_rows)), 64)
     if head_dim > 128:
         return block_r, 32, 4
     return block_r, 64 if block_r <= 32 else 32, 4
@@ -89,13 +99,13 @@ def split_layout(
     """(num_splits, split_len) for a prefix of `cache_size` keys and `num_programs` programs
     per split: no split once the programs cover the multiprocessors (a combine pass costs
     more than it gains), else about _TARGET_PROGRAMS_PER_SM programs per multiprocessor."""
-    num_blocks = max(1, triton.cdiv(cache_size, block_n))
+    num_blocks = max(1, _cdiv(cache_size, block_n))
     wanted = 1
     if num_programs < num_sms:
-        wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, num_programs)
+        wanted = _cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, num_programs)
     num_splits = max(1, min(wanted, num_blocks // _MIN_BLOCKS_PER_SPLIT, _MAX_SPLITS))
-    split_len = triton.cdiv(num_blocks, num_splits) * block_n
-    return triton.cdiv(num_blocks * block_n, split_len), split_len
+    split_len = _cdiv(num_blocks, num_splits) * block_n
+    return _cdiv(num_blocks * block_n, split_len), split_len
 
 
 def launch_config(
@@ -123,7 +133,7 @@ def launch_config(
     if fixed or not all(is_concrete_int(size) for size in (batch, num_rows, cache_size)):
         return _fixed_launch_config(head_dim)
     block_r, block_n, num_warps = _tile_shape(num_rows, head_dim)
-    num_programs = batch * num_kv_heads * triton.cdiv(num_rows, block_r)
+    num_programs = batch * num_kv_heads * _cdiv(num_rows, block_r)
     num_splits, split_len = split_layout(
         num_programs=num_programs, cache_size=cache_size, block_n=block_n, num_sms=num_sms
     )
