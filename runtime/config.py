@@ -82,7 +82,9 @@ class SamplingParams:
     max_new_tokens: generated tokens at most (the stop token included).
     stop_token_ids: extra ids that end the request, besides the model's EOS ids.
     ignore_eos: keep going past EOS (benchmarks); stop_token_ids still apply.
-    seed: seeds the sampling generator, an int in [0, 2**64) (a batch shares one generator).
+    seed: an int in [0, 2**64): the request's random numbers are a function of its seed and
+        token positions (runtime/rng.py), so a seeded request samples the same tokens alone
+        or in any batch; None draws a fresh seed.
     """
 
     temperature: float = 0.0

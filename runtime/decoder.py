@@ -42,7 +42,7 @@ from .prefill import (
     reset_requests,
     state_capacity,
 )
-from .requests import FINISH_LENGTH, FINISH_STOP, check_requests, seeded_rng
+from .requests import FINISH_LENGTH, FINISH_STOP, check_requests
 from .round import FINISH_STOP as FINISH_STOP_CODE
 from .round import ReportColumns, SpecState, decode_round, speculative_round
 from .sampling import needs_filtering
@@ -251,14 +251,13 @@ class Decoder:
         stats = stats if stats is not None else DecodeStats()
         stats.begin(depth=self.depth_for(bucket), num_requests=len(prompts))
         padding = bucket - len(prompts)
-        with seeded_rng(params, self.device):
-            yield from self._decode_batch(
-                bucket,
-                [*prompts, *[[0]] * padding],
-                [*params, *[_PADDING] * padding],
-                len(prompts),
-                stats,
-            )
+        yield from self._decode_batch(
+            bucket,
+            [*prompts, *[[0]] * padding],
+            [*params, *[_PADDING] * padding],
+            len(prompts),
+            stats,
+        )
 
     def close(self) -> None:
         """Free graphs, states and caches."""

@@ -39,6 +39,7 @@ from .config import SamplingParams
 from .draft import PendingPairs
 from .kv_cache import KVCache
 from .requests import stop_ids
+from .rng import fresh_seed, seed_halves
 from .round import FINISH_NONE, SpecState, emit, round_report
 from .sampling import SamplingTensors, draw_tokens
 
@@ -92,6 +93,7 @@ def allocate_state(
             target, head, batch_size=batch_size, capacity=capacity
         )
     zeros = torch.zeros(batch_size, dtype=torch.int64, device=device)
+    num_output = zeros.clone()
     return SpecState(
         target=target_cache,
         draft=draft_cache if head is not None else None,
@@ -100,7 +102,7 @@ def allocate_state(
         if head is None
         else _pending_buffers(head, batch_size, depth, dtype=dtype, device=device),
         output=torch.zeros(batch_size, capacity, dtype=torch.int64, device=device),
-        num_output=zeros.clone(),
+        num_output=num_output,
         max_new=zeros.clone(),
         stop_mask=torch.zeros(
             batch_size, target.config.vocab_size, dtype=torch.bool, device=device
@@ -111,6 +113,8 @@ def allocate_state(
             temperature=torch.zeros(batch_size, device=device),
             top_k=zeros.clone(),
             top_p=torch.ones(batch_size, device=device),
+            seed=torch.zeros(batch_size, 2, dtype=torch.int64, device=device),
+            position=num_output,
         ),
     )
 
@@ -240,16 +244,17 @@ def reset_requests(
     """Copy a fresh batch's per-slot request fields (sampling, limits, stop tokens) into
     `state`, without synchronising; `prefill_forwards` resets the rest.
 
-    The fields travel as one host tensor [B, 4 + S] float64 (exact for limits and token
-    ids): temperature, top_k, top_p, max_new_tokens, then the S stop ids (rows with fewer
-    repeat their first; -1 for none), pinned on CUDA, in one transfer; the stop masks are
-    scattered from the ids on the device. In a serving process building and pinning one
+    The fields travel as one host tensor [B, 6 + S] float64 (exact for limits, token ids
+    and 32-bit halves): temperature, top_k, top_p, max_new_tokens, the seed's two halves (a
+    fresh seed for a request without one), then the S stop ids (rows with fewer repeat their
+    first; -1 for none), pinned on CUDA, in one transfer; the stop masks are scattered from
+    the ids on the device. In a serving process building and pinning one
     small host tensor per field costs about 3 ms a batch-1 prefill (H100), more than the
     prefill graph runs; one tensor a batch avoids that."""
     stops = [stop_ids(p, eos_token_ids, vocab_size=vocab_size) for p in params]
     width = max(map(len, stops), default=0) or 1
     rows = [
-        [p.temperature, p.top_k, p.top_p, p.max_new_tokens, *_padded(ids, width)]
+        [p.temperature, p.top_k, p.top_p, p.max_new_tokens, *_seed_halves(p), *_padded(ids, width)]
         for p, ids in zip(params, stops, strict=True)
     ]
     fields = torch.tensor(rows, dtype=torch.float64)
@@ -260,8 +265,13 @@ def reset_requests(
     state.sampling.top_p.copy_(fields[:, 2])
     state.max_new.copy_(fields[:, 3])
     state.done.copy_(fields[:, 3] == 0)
-    ids = fields[:, 4:].long()
+    state.sampling.seed.copy_(fields[:, 4:6])
+    ids = fields[:, 6:].long()
     state.stop_mask.zero_().scatter_(1, ids.clamp_min(0), ids >= 0)
+
+
+def _seed_halves(p: SamplingParams) -> tuple[int, int]:
+    return seed_halves(fresh_seed() if p.seed is None else p.seed)
 
 
 def _padded(ids: list[int], width: int) -> list[int]:

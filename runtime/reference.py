@@ -2,7 +2,9 @@
 
 A ragged batch is right-padded and prefilled in one forward (a causal chain per slot); then one
 token per slot per step. Finished slots keep stepping harmlessly until the whole batch is done.
-This file favours obviousness over speed: it may read tensors on the host between steps.
+This file favours obviousness over speed: it may read tensors on the host between steps. Its
+draws are keyed by seed and output position as the fast paths' are (runtime/rng.py), so a
+seeded request samples here exactly what it samples there.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from .requests import (
     FINISH_STOP,
     Generation,
     check_requests,
-    seeded_generator,
     stop_mask,
 )
 from .sampling import SamplingTensors, draw_tokens
@@ -66,9 +67,8 @@ def reference_stream(
         return
     sampling = SamplingTensors.from_params(params, device)
     stops = stop_mask(params, eos_token_ids, vocab_size=model.config.vocab_size, device=device)
-    generator = seeded_generator(params, device)
     cache = _prefill_cache(model, prompts, capacity=max(map(len, prompts)) + num_steps)
-    token = _prefill(model, cache, prompts, sampling, generator)
+    token = _prefill(model, cache, prompts, sampling)
     done = max_new == 0
     for step in range(num_steps):
         active = ~done
@@ -78,7 +78,7 @@ def reference_stream(
         yield _step_report(token, active, finished_by_stop, finished_by_length)
         if bool(done.all()):
             return
-        token = _decode_step(model, cache, token, sampling, generator)
+        token = _decode_step(model, cache, token, sampling, position=step + 1)
 
 
 def _prefill_cache(model: Llama, prompts: list[list[int]], *, capacity: int) -> KVCache:
@@ -97,9 +97,9 @@ def _prefill(
     cache: KVCache,
     prompts: list[list[int]],
     sampling: SamplingTensors,
-    generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Run the right-padded prompts through the model, fill the cache, sample token one."""
+    """Run the right-padded prompts through the model, fill the cache, sample token one
+    (output position 0)."""
     device = cache.k.device
     batch, length = len(prompts), max(map(len, prompts))
     tokens = torch.zeros(batch, length, dtype=torch.int64, device=device)
@@ -110,7 +110,7 @@ def _prefill(
     out = model(tokens, positions, cache.attention_inputs(chain_ancestors(batch, length, device)))
     cache.append(out.k_new, out.v_new, lengths)
     last_hidden = out.hidden[torch.arange(batch, device=device), lengths - 1]
-    return draw_tokens(model.logits(last_hidden), sampling, generator)
+    return draw_tokens(model.logits(last_hidden), sampling)
 
 
 def _decode_step(
@@ -118,13 +118,15 @@ def _decode_step(
     cache: KVCache,
     token: torch.Tensor,
     sampling: SamplingTensors,
-    generator: torch.Generator | None,
+    *,
+    position: int,
 ) -> torch.Tensor:
+    """Feed `token`, draw the token of output position `position`."""
     batch = token.shape[0]
     anc = chain_ancestors(batch, 1, token.device)
     out = model(token[:, None], cache.lengths[:, None], cache.attention_inputs(anc))
     cache.append(out.k_new, out.v_new, torch.ones_like(cache.lengths))
-    return draw_tokens(model.logits(out.hidden[:, 0]), sampling, generator)
+    return draw_tokens(model.logits(out.hidden[:, 0]), sampling, position)
 
 
 def _step_report(

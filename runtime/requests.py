@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,36 +95,3 @@ def stop_ids(p: SamplingParams, eos_token_ids: Sequence[int], *, vocab_size: int
     ignore_eos."""
     ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
     return sorted(t for t in ids if t < vocab_size)
-
-
-def seeded_rng(params: Sequence[SamplingParams], device: torch.device | str):
-    """Context in which the default RNG of `device` is seeded by the first request that has a
-    seed (the caller's RNG state is restored on exit); no seed: the RNG is left alone.
-
-    Decoding draws from the default generator so the same code runs under torch.compile and
-    inside CUDA graphs, which track that generator's state across replays.
-    """
-    seed = next((p.seed for p in params if p.seed is not None), None)
-    if seed is None:
-        return contextlib.nullcontext()
-    device = torch.device(device)
-    devices = [device] if device.type == "cuda" else []
-    return _forked_and_seeded(seed, devices)
-
-
-@contextlib.contextmanager
-def _forked_and_seeded(seed: int, devices: list[torch.device]) -> Iterator[None]:
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        torch.manual_seed(seed)
-        yield
-
-
-def seeded_generator(
-    params: Sequence[SamplingParams], device: torch.device | str
-) -> torch.Generator | None:
-    """A generator seeded by the first request that has a seed (None: the default RNG), for
-    eager code that holds its own generator across yields (the reference decoder)."""
-    seed = next((p.seed for p in params if p.seed is not None), None)
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)

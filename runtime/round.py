@@ -80,7 +80,8 @@ def speculative_round(
     shape: TreeShape | StaticTree,
 ) -> torch.Tensor:
     """Run one round in place. Returns the round report [B, 4 + D + 1] int64 (ReportColumns;
-    slots already done report nothing). Samples from the default RNG of the state's device."""
+    slots already done report nothing). Draws are keyed by each slot's seed and output position
+    (runtime/rng.py)."""
     tree, draft = draft_phase(head, state, shape)
     return verify_phase(target, head, state, tree, shape=shape, draft=draft)
 
@@ -118,7 +119,8 @@ def verify_phase(
     logits = target.logits(out.hidden)
     if draft is None:
         # One draw from the target at every node; each is used at most once along the path.
-        acceptance = accept(tree, draw_tokens(logits, state.sampling), depth=shape.depth)
+        drawn = draw_tokens(logits, state.sampling, tree.depth)
+        acceptance = accept(tree, drawn, depth=shape.depth)
     else:
         draft_ids = torch.arange(draft.probs.shape[-1], device=logits.device)
         draft_to_target = head.to_target_ids(draft_ids)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import SamplingParams
+from .rng import Site, exponential, fresh_seed, gumbel, seed_halves
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class SamplingTensors:
     """Per-slot sampling parameters on the device.
 
     temperature: [B] float32 (0 = greedy); top_k: [B] int64 (0 = off); top_p: [B] float32.
+    seed: [B, 2] int64 each request's seed halves (runtime/rng.py); position: [B] int64 the
+        number of tokens each request has emitted (the decoding state's `num_output`, shared,
+        not copied): the counter of the target's next draw. Both are needed only to draw.
     filtered: whether top-k / top-p may be on for some slot. When False they are ignored and
         the full-vocabulary sort they need is skipped; being a Python flag, it selects a
         separately compiled (and captured) variant of a round.
@@ -29,18 +33,38 @@ class SamplingTensors:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    seed: torch.Tensor | None = None
+    position: torch.Tensor | None = None
     filtered: bool = True
 
     @classmethod
     def from_params(
-        cls, params: Sequence[SamplingParams], device: torch.device | str
+        cls,
+        params: Sequence[SamplingParams],
+        device: torch.device | str,
+        *,
+        position: torch.Tensor | None = None,
     ) -> SamplingTensors:
+        """Tensors of `params` (unseeded requests get fresh seeds); `position` [B] int64 the
+        tokens emitted so far (zeros when not given)."""
+        seeds = [seed_halves(fresh_seed() if p.seed is None else p.seed) for p in params]
+        if position is None:
+            position = torch.zeros(len(params), dtype=torch.int64, device=device)
         return cls(
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
+            seed=torch.tensor(seeds, dtype=torch.int64, device=device).view(len(params), 2),
+            position=position,
             filtered=needs_filtering(params),
         )
+
+    def counter(self, offset: torch.Tensor | int = 0) -> torch.Tensor:
+        """The draw counter of each slot, `position` + `offset` ([B] or [B, ...] int64)."""
+        assert self.position is not None, "drawing needs SamplingTensors.position"
+        if isinstance(offset, torch.Tensor):
+            return self.position.view((-1,) + (1,) * (offset.dim() - 1)) + offset
+        return self.position + offset
 
 
 def needs_filtering(params: Sequence[SamplingParams]) -> bool:
@@ -49,9 +73,12 @@ def needs_filtering(params: Sequence[SamplingParams]) -> bool:
 
 
 def draw_tokens(
-    logits: torch.Tensor, sampling: SamplingTensors, generator: torch.Generator | None = None
+    logits: torch.Tensor, sampling: SamplingTensors, offset: torch.Tensor | int = 0
 ) -> torch.Tensor:
-    """One draw per row from the distribution `target_probs` gives, without materialising it.
+    """The target's draw, one per row, from the distribution `target_probs` gives, without
+    materialising it; keyed by each slot's seed and the output position it is for
+    (`sampling.counter(offset)`), so the same position draws the same numbers wherever it is
+    decoded.
 
     Without top-k / top-p this is the Gumbel-max form of `sample`'s exponential race,
     argmax(logits / T - log E) with E ~ Exp(1): the same ordering as argmax(p / E), since
@@ -62,23 +89,29 @@ def draw_tokens(
     Args:
         logits: [B, ..., V] any float dtype.
         sampling: per-slot parameters, each [B].
+        offset: [B, ...] int64 (logits' leading dims) or an int: each row's output position
+            past `sampling.position` (a tree node's depth).
     Returns:
         [B, ...] int64 token ids.
     """
+    counter = _broadcast_counter(sampling, offset, logits)
     if sampling.filtered:
-        return sample(target_probs(logits, sampling), generator)
+        return sample(target_probs(logits, sampling), sampling.seed, counter, site=Site.TARGET)
     logits = logits.float()
     temperature = sampling.temperature.view((-1,) + (1,) * (logits.dim() - 1))
     greedy = temperature == 0
-    gumbel = gumbel_like(logits, generator)
+    noise = gumbel(sampling.seed, counter, logits.shape[-1:], site=Site.TARGET)
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)
-    return _chunked_argmax(torch.where(greedy, logits, scaled + gumbel))
+    return _chunked_argmax(torch.where(greedy, logits, scaled + noise))
 
 
-def gumbel_like(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Standard Gumbel noise shaped like float x: -log E with E ~ Exp(1)."""
-    noise = torch.empty_like(x).exponential_(1.0, generator=generator)
-    return -noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
+def _broadcast_counter(
+    sampling: SamplingTensors, offset: torch.Tensor | int, logits: torch.Tensor
+) -> torch.Tensor:
+    """The counter of every row of `logits` [B, ..., V]: [B, ...] int64."""
+    counter = sampling.counter(offset)
+    counter = counter.view(counter.shape + (1,) * (logits.dim() - 1 - counter.dim()))
+    return counter.expand(logits.shape[:-1])
 
 
 def _chunked_argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -141,15 +174,19 @@ def _chunked_cumsum(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     return (inner + offsets[..., None]).flatten(-2)[..., :size]
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    probs: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor, *, site: Site
+) -> torch.Tensor:
     """One exact categorical draw per row, without a host sync.
 
-    argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability p_i.
+    argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability p_i; E is keyed by
+    (seed, counter, site) (runtime/rng.py).
 
     Args:
-        probs: [..., V] float probabilities (rows need not be normalised).
+        probs: [B, ..., V] float probabilities (rows need not be normalised).
+        seed: [B, 2] int64 seed halves; counter: [B, ...] int64, probs' leading dims.
     Returns:
-        [...] int64 token ids.
+        [B, ...] int64 token ids.
     """
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / noise.clamp_min(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+    noise = exponential(seed, counter, probs.shape[-1:], site=site)
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)

@@ -36,7 +36,8 @@ from ..models.eagle import DraftHead
 from .draft import PendingPairs, draft_extend, first_frontier, next_level, run_frontier
 from .kernels.rejection import rejection_walk, split_mass
 from .kv_cache import KVCache
-from .sampling import SamplingTensors, gumbel_like, sample, target_probs
+from .rng import Site, gumbel, uniform
+from .sampling import SamplingTensors, sample, target_probs
 from .tree import Tree, TreeShape, child_scores, choose_frontier, kept_candidates, layout_tree
 from .verify import Acceptance, accept
 
@@ -72,8 +73,11 @@ def sampled_children(
     parent_logp: torch.Tensor,
     topk: int,
     sampling: SamplingTensors,
+    *,
+    level: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The K children of each of P parents per row.
+    """The K children of each of P parents per row, drawn with the numbers of (each row's
+    seed, its output position + `level`, the draft's site).
 
     Args:
         logits: [B, P, V] draft logits of the parents' children.
@@ -88,7 +92,8 @@ def sampled_children(
     temperature = sampling.temperature.float().view(-1, 1, 1)
     samples = temperature > 0
     log_q = (logits.float() / torch.where(samples, temperature, 1.0)).log_softmax(-1)
-    perturbed, ids = torch.where(samples, log_q + gumbel_like(log_q), log_q).topk(topk, dim=-1)
+    noise = gumbel(sampling.seed, sampling.counter(level), log_q.shape[1:], site=Site.DRAFT)
+    perturbed, ids = torch.where(samples, log_q + noise, log_q).topk(topk, dim=-1)
     child_logq = log_q.gather(-1, ids)
     parent_scores, parent_logp = parent_scores[..., None], parent_logp[..., None]
     logp = parent_logp + child_logq
@@ -115,7 +120,9 @@ def draft_stochastic_tree(
     batch, topk = root.shape[0], shape.topk
     device = root.device
     zeros = torch.zeros(batch, 1, device=device)
-    ids, scores, logp, root_q = sampled_children(root_logits[:, None], zeros, zeros, topk, sampling)
+    ids, scores, logp, root_q = sampled_children(
+        root_logits[:, None], zeros, zeros, topk, sampling, level=0
+    )
     ids, scores, logp = ids[:, 0], scores[:, 0], logp[:, 0]
     frontier, cands = first_frontier(head.to_target_ids(ids), scores, root_feature)
     draft_ids, probs = [ids], [root_q]
@@ -125,7 +132,7 @@ def draft_stochastic_tree(
     for level in range(1, shape.depth):
         out, visible, side = run_frontier(head, cache, frontier, side, level)
         ids, scores, child_logp, q = sampled_children(
-            out.logits, frontier.scores, logp, topk, sampling
+            out.logits, frontier.scores, logp, topk, sampling, level=level
         )
         ids, scores, parent, chosen = choose_frontier(ids, scores)
         child_logp = child_logp.flatten(1)
@@ -194,14 +201,20 @@ def accept_stochastic(
     probs = target_probs(logits, sampling)
     greedy = accept(tree, probs.argmax(-1), depth=shape.depth)
     batch = probs.shape[0]
-    uniforms = torch.rand(batch, shape.depth, shape.topk, device=probs.device)
+    counter = sampling.counter()
+    uniforms = uniform(sampling.seed, counter, (shape.depth, shape.topk), site=Site.REJECTION)
     path, num_accepted, residual, residual_out = rejection_walk(
         probs, tree.parent, draft.node_row, draft.node_draft_id, draft.probs,
         draft_to_target, uniforms,
     )  # fmt: skip
     p = probs[torch.arange(batch, device=probs.device), path[:, -1]]
     _, p_out = split_mass(p, draft_to_target)
-    bonus = _draw_residual(p, residual, residual_out, p_out, draft_to_target)
+    bonus = sample(
+        _residual(p, residual, residual_out, p_out, draft_to_target),
+        sampling.seed,
+        counter,
+        site=Site.RESIDUAL,
+    )
     samples = sampling.temperature > 0
     return Acceptance(
         torch.where(samples[:, None], path, greedy.path),
@@ -210,10 +223,9 @@ def accept_stochastic(
     )
 
 
-def _draw_residual(p, r, r_out, p_out, draft_to_target: torch.Tensor) -> torch.Tensor:
-    """One draw per row [B] from the residual: r [B, V_draft] on the draft vocabulary, and
-    outside it p's own shape scaled from its mass p_out [B] to r_out [B]."""
+def _residual(p, r, r_out, p_out, draft_to_target: torch.Tensor) -> torch.Tensor:
+    """The residual [B, V] to draw the bonus from: r [B, V_draft] on the draft vocabulary,
+    and outside it p's own shape scaled from its mass p_out [B] to r_out [B]."""
     tiny = torch.finfo(p.dtype).tiny
     scale = torch.where(p_out > tiny, r_out / p_out.clamp_min(tiny), 0.0)
-    residual = (p * scale[:, None]).index_copy(1, draft_to_target, r)
-    return sample(residual)
+    return (p * scale[:, None]).index_copy(1, draft_to_target, r)

@@ -20,22 +20,20 @@ def _fresh_state(target, head, shape, params):
 
 @pytest.mark.parametrize(
     ("kind", "temperature"),
-    [("eagle1", 0.8), ("eagle3", 0.0), ("dense", 0.8), ("perfect", 0.0), ("perfect", 0.8)],
+    [("eagle1", 0.8), ("eagle3", 0.0), ("dense", 0.8), ("perfect", 0.0), ("perfect", 0.3)],
 )
 def test_round_traces_without_graph_breaks_and_matches_eager(kind, temperature):
     torch._dynamo.reset()
     target = random_llama(tiny_config(), dtype=torch.float64)
     head = TargetAsDraft(target) if kind == "perfect" else random_head(kind, target)
     shape = TreeShape(3, 2, 6)
-    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=20, top_p=0.9)
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=20, top_p=0.9, seed=7)
     with torch.no_grad():
         eager_state = _fresh_state(target, head, shape, params)
         compiled_state = copy.deepcopy(eager_state)
         compiled = torch.compile(speculative_round, fullgraph=True, backend="eager")
         for _ in range(2):
-            torch.manual_seed(7)
             want = speculative_round(target, head, eager_state, shape)
-            torch.manual_seed(7)
             got = compiled(target, head, compiled_state, shape)
             assert torch.equal(got, want)
             if kind == "perfect":  # the target as its draft: the rounds accept draft tokens

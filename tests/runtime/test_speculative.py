@@ -192,7 +192,8 @@ def test_speculative_sampling_is_lossless(kind, params, shape):
         target.lm_head.weight.mul_(3.0)  # moderately peaked: drafts get accepted often
     head = TargetAsDraft(target) if kind == "perfect" else random_head(kind, target, seed=2)
     prompt, num_samples = [3, 1, 4], 15_000
-    seeded = SamplingParams(**{**vars(params), "seed": 1234})
+    # One seed per request: requests with the same seed draw the same numbers.
+    seeded = [SamplingParams(**{**vars(params), "seed": 1234 + i}) for i in range(num_samples)]
     with torch.no_grad():
         law = _exact_three_token_law(target, prompt, params)
         got, stats = speculative_generate(target, head, [prompt] * num_samples, seeded, shape=shape)

@@ -7,6 +7,7 @@ import itertools
 import torch
 
 from goodness_of_fit import chi_square_p_value
+from specrun.runtime.rng import Site
 from specrun.runtime.sampling import sample
 from specrun.runtime.tree import StaticTree, Tree, ancestor_bitmask
 from specrun.runtime.verify import accept
@@ -46,7 +47,10 @@ def test_sampling_emits_the_target_distribution():
     probs_per_node = torch.rand(len(TOKENS), vocab, generator=gen) ** 2
     probs_per_node /= probs_per_node.sum(-1, keepdim=True)
     tree = _static_tree(TOKENS, PATHS, batch)
-    drawn = sample(probs_per_node.expand(batch, -1, -1).contiguous(), gen)
+    seed = torch.stack([torch.arange(batch), torch.zeros(batch, dtype=torch.int64)], dim=1)
+    counter = torch.arange(len(TOKENS)).expand(batch, -1)
+    probs = probs_per_node.expand(batch, -1, -1).contiguous()
+    drawn = sample(probs, seed, counter, site=Site.TARGET)
     result = accept(tree, drawn, depth=2)
     emitted = [
         (*(TOKENS[n] for n in path[1 : 1 + a]), bonus)

@@ -1,0 +1,96 @@
+"""Counter-based random numbers: every draw a function of (request seed, token position, draw
+site, element), computed inside the graphs from integer hashing.
+
+A request's random numbers therefore do not depend on which other requests share its batch,
+which slot it occupies, the round it was admitted at, or what the caller's own code draws: a
+seeded request decodes the same tokens alone or in any batch, and no process-wide generator
+is read or advanced (the caller's `torch.rand` is untouched, and CUDA graphs replay no
+generator state). The target's draw for output position p uses the same numbers in the
+reference decoder, a plain step and every node at that position of a speculative tree, so a
+seeded request samples the same tokens with or without speculation (top-k trees).
+
+Keys: a seed is 64 bits, kept as two int64 halves [B, 2] (each < 2^32); a counter [B, ...]
+int64 is the output position the draw is for (plus a level for the draft's draws); a site is
+a small constant per place that draws (`Site`); the element index runs over the draw's
+trailing dims. Hashing uses only int64 multiplies, xors and shifts of values below 2^32 by
+constants below 2^31, so no product overflows and every backend computes the same bits.
+Uniforms have 24 random bits (float32's mantissa).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import secrets
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_SALT = 0x61C88647  # 2^32 / golden ratio, below 2^31
+_UNIFORM_BITS = 24
+
+
+class Site(enum.IntEnum):
+    """Where a draw happens; each gets numbers of its own for the same seed and counter."""
+
+    TARGET = 1  # the target's next token: prefill root, plain step, verify (every node)
+    DRAFT = 2  # a stochastic tree's sampled children (counter: position + level)
+    REJECTION = 3  # the rejection walk's uniforms
+    RESIDUAL = 4  # the bonus drawn from the residual where the walk stopped
+
+
+def fresh_seed() -> int:
+    """A seed for a request that gave none (from the OS's entropy, not torch's generator)."""
+    return secrets.randbits(64)
+
+
+def seed_halves(seed: int) -> tuple[int, int]:
+    """A 64-bit seed as (low, high) 32-bit halves."""
+    return seed & _MASK32, (seed >> 32) & _MASK32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A bijective avalanche of 32-bit values held in int64 (each product stays below 2^63)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(
+    seed: torch.Tensor, counter: torch.Tensor, shape: tuple[int, ...], *, site: Site
+) -> torch.Tensor:
+    """Uniforms in (0, 1), one per element, keyed by (seed, counter, site, element index).
+
+    Args:
+        seed: [B, 2] int64 seed halves.
+        counter: [B, ...] int64 (>= 0, < 2^32): one key per leading index.
+        shape: the trailing dims drawn per key.
+    Returns:
+        [*counter.shape, *shape] float32.
+    """
+    lead = counter.dim() - 1
+    low = seed[:, 0].view((-1,) + (1,) * lead)
+    high = seed[:, 1].view((-1,) + (1,) * lead)
+    row = _mix(_mix(low ^ (int(site) * _SALT & _MASK32)) ^ high)
+    row = _mix(row ^ (counter & _MASK32))
+    index = torch.arange(math.prod(shape), device=counter.device).view(shape)
+    row = row.view(*row.shape, *(1,) * len(shape))
+    element = _mix((index + _SALT) & _MASK32)
+    bits = _mix((_mix(row ^ element) + row) & _MASK32) >> (32 - _UNIFORM_BITS)
+    return (bits.float() + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
+
+
+def exponential(
+    seed: torch.Tensor, counter: torch.Tensor, shape: tuple[int, ...], *, site: Site
+) -> torch.Tensor:
+    """Exp(1) noise shaped like `uniform`'s result (float32, > 0)."""
+    return -torch.log(uniform(seed, counter, shape, site=site))
+
+
+def gumbel(
+    seed: torch.Tensor, counter: torch.Tensor, shape: tuple[int, ...], *, site: Site
+) -> torch.Tensor:
+    """Standard Gumbel noise shaped like `uniform`'s result (float32)."""
+    return -torch.log(exponential(seed, counter, shape, site=site))
