@@ -12,9 +12,8 @@ seeded request samples the same tokens with or without speculation (top-k trees)
 Keys: a seed is 64 bits, kept as two int64 halves [B, 2] (each < 2^32); a counter [B, ...]
 int64 is the output position the draw is for (plus a level for the draft's draws); a site is
 a small constant per place that draws (`Site`); the element index runs over the draw's
-trailing dims. Hashing uses only int64 multiplies, xors and shifts of values below 2^32 by
-constants below 2^31, so no product overflows and every backend computes the same bits.
-Uniforms have 24 random bits (float32's mantissa).
+trailing dims. The hashing itself is `rt::counter_uniform` (runtime/kernels/counter_rng.py):
+every backend computes the same bits. Uniforms have 24 random bits (float32's mantissa).
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ import secrets
 
 import torch
 
+from .kernels.counter_rng import counter_uniform
+
 _MASK32 = 0xFFFFFFFF
-_SALT = 0x61C88647  # 2^32 / golden ratio, below 2^31
-_UNIFORM_BITS = 24
 
 
 class Site(enum.IntEnum):
@@ -49,19 +48,11 @@ def seed_halves(seed: int) -> tuple[int, int]:
     return seed & _MASK32, (seed >> 32) & _MASK32
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A bijective avalanche of 32-bit values held in int64 (each product stays below 2^63)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _MASK32
-    return x ^ (x >> 16)
-
-
 def uniform(
     seed: torch.Tensor, counter: torch.Tensor, shape: tuple[int, ...], *, site: Site
 ) -> torch.Tensor:
-    """Uniforms in (0, 1), one per element, keyed by (seed, counter, site, element index).
+    """Uniforms in (0, 1), one per element, keyed by (seed, counter, site, element index)
+    (`rt::counter_uniform`, runtime/kernels/counter_rng.py).
 
     Args:
         seed: [B, 2] int64 seed halves.
@@ -70,16 +61,9 @@ def uniform(
     Returns:
         [*counter.shape, *shape] float32.
     """
-    lead = counter.dim() - 1
-    low = seed[:, 0].view((-1,) + (1,) * lead)
-    high = seed[:, 1].view((-1,) + (1,) * lead)
-    row = _mix(_mix(low ^ (int(site) * _SALT & _MASK32)) ^ high)
-    row = _mix(row ^ (counter & _MASK32))
-    index = torch.arange(math.prod(shape), device=counter.device).view(shape)
-    row = row.view(*row.shape, *(1,) * len(shape))
-    element = _mix((index + _SALT) & _MASK32)
-    bits = _mix((_mix(row ^ element) + row) & _MASK32) >> (32 - _UNIFORM_BITS)
-    return (bits.float() + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
+    rows = counter.reshape(counter.shape[0], -1)
+    drawn = counter_uniform(seed, rows, math.prod(shape), int(site))
+    return drawn.view(*counter.shape, *shape)
 
 
 def exponential(
