@@ -27,6 +27,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .json_fields import read_json
+
 logger = logging.getLogger(__name__)
 
 WEIGHT_FILES = (
@@ -138,14 +140,7 @@ def _shard_files(path: Path) -> list[Path]:
 
 def _weight_map(path: Path) -> dict[str, str]:
     """The tensor name -> shard file map of a Hugging Face index file."""
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        where = f"{error.msg} at line {error.lineno} column {error.colno}"
-        raise ValueError(f"{path} is not valid JSON ({where}); {_GET_A_GOOD_COPY}") from error
-    except UnicodeDecodeError as error:
-        reason = f"is not UTF-8 text ({error.reason})"
-        raise ValueError(f"{path} {reason}; {_GET_A_GOOD_COPY}") from error
+    index = read_json(path, fix=_GET_A_GOOD_COPY)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(

@@ -11,13 +11,20 @@ quietly coerced value builds a different model than the one the file describes; 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .json_fields import (
+    integers,
+    is_int,
+    naming,
+    read_json,
+    require_object,
+    strings,
+    token_ids,
+    typed_field,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -52,15 +59,15 @@ class RopeScaling:
         if not raw:
             return cls()
         where += "."
-        legacy_type = _field(raw, "type", "string", "default", where=where)
+        legacy_type = typed_field(raw, "type", "string", "default", where=where)
         kwargs: dict[str, Any] = {
-            "rope_type": _field(raw, "rope_type", "string", legacy_type, where=where)
+            "rope_type": typed_field(raw, "rope_type", "string", legacy_type, where=where)
         }
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             if name in raw:
-                kwargs[name] = _field(raw, name, "number", where=where)
+                kwargs[name] = typed_field(raw, name, "number", where=where)
         if "original_max_position_embeddings" in raw:
-            kwargs["original_max_position_embeddings"] = _field(
+            kwargs["original_max_position_embeddings"] = typed_field(
                 raw, "original_max_position_embeddings", "integer", where=where
             )
         return cls(**kwargs)
@@ -98,7 +105,7 @@ class LlamaConfig:
             "head_dim",
         ):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 hf_name = _HF_NAMES.get(name, name)
                 raise ValueError(f'field "{hf_name}" must be a positive integer, got {value!r}')
         if self.num_heads % self.num_kv_heads:
@@ -124,18 +131,18 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> LlamaConfig:
         """Parse a transformers LlamaConfig dict (config.json)."""
-        _require_object(raw)
-        architectures = _strings(raw, "architectures") or ["LlamaForCausalLM"]
+        require_object(raw)
+        architectures = strings(raw, "architectures") or ["LlamaForCausalLM"]
         unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
         if unsupported:
             raise ValueError(
                 f"architectures={architectures} is not supported; specrun runs "
                 f"{SUPPORTED_ARCHITECTURES}"
             )
-        model_type = _field(raw, "model_type", "string", "llama")
+        model_type = typed_field(raw, "model_type", "string", "llama")
         if model_type != "llama":
             raise ValueError(f"model_type={model_type!r} is not supported; expected 'llama'")
-        hidden_act = _field(raw, "hidden_act", "string", "silu")
+        hidden_act = typed_field(raw, "hidden_act", "string", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act={hidden_act!r} is not supported; Llama uses 'silu'")
         return cls(**_common_fields(raw))
@@ -144,8 +151,8 @@ class LlamaConfig:
     def from_json(cls, path: str | Path) -> LlamaConfig:
         """Parse a model directory's config.json (or the file `path`); errors name the file."""
         path = _config_path(path)
-        raw = _read_json(path)
-        with _naming(path):
+        raw = read_json(path, fix="fix it or re-download it")
+        with naming(path):
             return cls.from_hf(raw)
 
     def to_hf(self) -> dict[str, Any]:
@@ -199,38 +206,42 @@ def _common_fields(raw: dict[str, Any]) -> dict[str, Any]:
     missing = [name for name in required if name not in raw]
     if missing:
         raise ValueError(f"missing required field(s) {missing}")
-    num_heads = _field(raw, "num_attention_heads", "integer")
-    hidden_size = _field(raw, "hidden_size", "integer")
+    num_heads = typed_field(raw, "num_attention_heads", "integer")
+    hidden_size = typed_field(raw, "hidden_size", "integer")
     # num_heads <= 0 is reported by LlamaConfig; 0 here only avoids dividing by it.
-    head_dim = _field(raw, "head_dim", "integer", None, nullable=True)
+    head_dim = typed_field(raw, "head_dim", "integer", None, nullable=True)
     if head_dim is None:
         head_dim = hidden_size // num_heads if num_heads > 0 else 0
     # transformers >= 5 nests rope_theta and the scaling into `rope_parameters`.
-    rope_parameters = _field(raw, "rope_parameters", "object", {}, nullable=True)
-    rope_theta = _field(rope_parameters, "rope_theta", "number", 10000.0, where="rope_parameters.")
-    rope_scaling = _field(raw, "rope_scaling", "object", None, nullable=True)
+    rope_parameters = typed_field(raw, "rope_parameters", "object", {}, nullable=True)
+    rope_theta = typed_field(
+        rope_parameters, "rope_theta", "number", 10000.0, where="rope_parameters."
+    )
+    rope_scaling = typed_field(raw, "rope_scaling", "object", None, nullable=True)
     rope = (
         RopeScaling.from_hf(rope_scaling)
         if rope_scaling
         else RopeScaling.from_hf(rope_parameters, where="rope_parameters")
     )
     return {
-        "vocab_size": _field(raw, "vocab_size", "integer"),
+        "vocab_size": typed_field(raw, "vocab_size", "integer"),
         "hidden_size": hidden_size,
-        "intermediate_size": _field(raw, "intermediate_size", "integer"),
-        "num_layers": _field(raw, "num_hidden_layers", "integer", 1),
+        "intermediate_size": typed_field(raw, "intermediate_size", "integer"),
+        "num_layers": typed_field(raw, "num_hidden_layers", "integer", 1),
         "num_heads": num_heads,
-        "num_kv_heads": _field(raw, "num_key_value_heads", "integer", num_heads, nullable=True),
+        "num_kv_heads": typed_field(
+            raw, "num_key_value_heads", "integer", num_heads, nullable=True
+        ),
         "head_dim": head_dim,
-        "rms_norm_eps": _field(raw, "rms_norm_eps", "number", 1e-6),
-        "rope_theta": _field(raw, "rope_theta", "number", rope_theta),
+        "rms_norm_eps": typed_field(raw, "rms_norm_eps", "number", 1e-6),
+        "rope_theta": typed_field(raw, "rope_theta", "number", rope_theta),
         "rope_scaling": rope,
-        "max_position_embeddings": _field(raw, "max_position_embeddings", "integer", 4096),
-        "tie_word_embeddings": _field(raw, "tie_word_embeddings", "boolean", False),
-        "attention_bias": _field(raw, "attention_bias", "boolean", False),
-        "mlp_bias": _field(raw, "mlp_bias", "boolean", False),
-        "bos_token_id": _field(raw, "bos_token_id", "integer", None, nullable=True),
-        "eos_token_ids": _token_ids(raw, "eos_token_id"),
+        "max_position_embeddings": typed_field(raw, "max_position_embeddings", "integer", 4096),
+        "tie_word_embeddings": typed_field(raw, "tie_word_embeddings", "boolean", False),
+        "attention_bias": typed_field(raw, "attention_bias", "boolean", False),
+        "mlp_bias": typed_field(raw, "mlp_bias", "boolean", False),
+        "bos_token_id": typed_field(raw, "bos_token_id", "integer", None, nullable=True),
+        "eos_token_ids": token_ids(raw, "eos_token_id"),
     }
 
 
@@ -275,12 +286,12 @@ class DraftConfig:
         if self.kind == "eagle3" and self.num_layers != 1:
             raise ValueError("EAGLE-3 heads have exactly one mid layer (num_hidden_layers=1)")
         if self.target_hidden_size is not None and not (
-            _is_int(self.target_hidden_size) and self.target_hidden_size > 0
+            is_int(self.target_hidden_size) and self.target_hidden_size > 0
         ):
             raise ValueError(
                 f"target_hidden_size must be a positive integer, got {self.target_hidden_size!r}"
             )
-        if self.tap_layers is not None and not all(_is_int(t) and t >= 0 for t in self.tap_layers):
+        if self.tap_layers is not None and not all(is_int(t) and t >= 0 for t in self.tap_layers):
             raise ValueError(
                 f"tap_layers must be layer indices >= 0 (eagle_aux_hidden_state_layer_ids >= -1), "
                 f"got {self.tap_layers}"
@@ -310,36 +321,38 @@ class DraftConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], *, kind: str | None = None) -> DraftConfig:
         """Parse an EAGLE head's config.json (yuhuili EAGLE / EAGLE-3, SpecForge, dense)."""
-        _require_object(raw)
-        architectures = _strings(raw, "architectures") or []
+        require_object(raw)
+        architectures = strings(raw, "architectures") or []
         kind = (
             kind
-            or _field(raw, "specrun_draft_kind", "string", None)
+            or typed_field(raw, "specrun_draft_kind", "string", None)
             or _guess_kind(architectures, raw)
         )
-        eagle_config = _field(raw, "eagle_config", "object", {}, nullable=True)
+        eagle_config = typed_field(raw, "eagle_config", "object", {}, nullable=True)
         fields = _common_fields(raw)
         if kind == "eagle3" and "rope_theta" not in raw and "rope_parameters" not in raw:
             fields["rope_theta"] = 10000.0
         fields["num_layers"] = 1
-        taps = _integers(eagle_config, "eagle_aux_hidden_state_layer_ids", where="eagle_config.")
+        taps = integers(eagle_config, "eagle_aux_hidden_state_layer_ids", where="eagle_config.")
         return cls(
             kind=kind,
             layer=LlamaConfig(**fields),
-            num_layers=_field(raw, "num_hidden_layers", "integer", 1),
-            target_hidden_size=_field(raw, "target_hidden_size", "integer", None, nullable=True),
-            draft_vocab_size=_field(raw, "draft_vocab_size", "integer", None, nullable=True),
+            num_layers=typed_field(raw, "num_hidden_layers", "integer", 1),
+            target_hidden_size=typed_field(
+                raw, "target_hidden_size", "integer", None, nullable=True
+            ),
+            draft_vocab_size=typed_field(raw, "draft_vocab_size", "integer", None, nullable=True),
             tap_layers=tuple(t + 1 for t in taps) if taps else None,
-            fc_bias=_field(raw, "bias", "boolean", kind == "eagle1"),
-            shared_lm_head=_field(raw, "specrun_shared_lm_head", "boolean", False),
+            fc_bias=typed_field(raw, "bias", "boolean", kind == "eagle1"),
+            shared_lm_head=typed_field(raw, "specrun_shared_lm_head", "boolean", False),
         )
 
     @classmethod
     def from_json(cls, path: str | Path, *, kind: str | None = None) -> DraftConfig:
         """Parse a head directory's config.json (or the file `path`); errors name the file."""
         path = _config_path(path)
-        raw = _read_json(path)
-        with _naming(path):
+        raw = read_json(path, fix="fix it or re-download it")
+        with naming(path):
             return cls.from_hf(raw, kind=kind)
 
     def to_hf(self) -> dict[str, Any]:
@@ -384,124 +397,3 @@ def _config_path(path: str | Path) -> Path:
     if not path.is_file():
         raise ValueError(f"no config.json at {path}; point at a Hugging Face model directory")
     return path
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path} is not UTF-8 text ({error.reason}); re-download it") from error
-    except json.JSONDecodeError as error:
-        raise ValueError(
-            f"{path} is not valid JSON ({error.msg} at line {error.lineno} column "
-            f"{error.colno}); fix it or re-download it"
-        ) from error
-
-
-@contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """Prefix every ValueError raised inside with `path`, so it says which file is wrong."""
-    try:
-        yield
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from error
-
-
-# Typed reads of config.json fields. Null counts as absent only where HF writes null.
-
-_ABSENT = object()
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
-
-
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "integer": (_is_int, "an integer"),
-    "number": (_is_number, "a finite number"),
-    "boolean": (lambda v: isinstance(v, bool), "a boolean (true or false)"),
-    "string": (lambda v: isinstance(v, str), "a string"),
-    "object": (lambda v: isinstance(v, dict), "an object"),
-    "array": (lambda v: isinstance(v, list), "an array"),
-}
-
-_JSON_TYPE_NAMES = {
-    bool: "a boolean",
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    list: "an array",
-    dict: "an object",
-}
-
-
-def _describe(value: Any) -> str:
-    """`value` as config.json spells it, with its JSON type: `"30" (a string)`."""
-    if value is None:
-        return "null"
-    text = json.dumps(value)
-    if len(text) > 40:
-        text = text[:37] + "..."
-    return f"{text} ({_JSON_TYPE_NAMES.get(type(value), type(value).__name__)})"
-
-
-def _field(
-    raw: dict[str, Any],
-    name: str,
-    kind: str,
-    default: Any = _ABSENT,
-    *,
-    nullable: bool = False,
-    where: str = "",
-) -> Any:
-    """raw[name], which must be JSON of `kind` (or null, read as absent, where `nullable`);
-    `default` when absent. Numbers come back as floats. `where` prefixes nested names."""
-    value = raw.get(name)
-    if name not in raw or (value is None and nullable):
-        if default is _ABSENT:
-            raise ValueError(f'missing required field "{where}{name}"')
-        return default
-    check, expected = _KINDS[kind]
-    if not check(value):
-        expected += " or null" if nullable else ""
-        raise ValueError(f'field "{where}{name}" must be {expected}, got {_describe(value)}')
-    return float(value) if kind == "number" else value
-
-
-def _require_object(raw: Any) -> None:
-    if not isinstance(raw, dict):
-        raise ValueError(f"the config must be a JSON object of fields, got {_describe(raw)}")
-
-
-def _strings(raw: dict[str, Any], name: str) -> list[str] | None:
-    values = _field(raw, name, "array", None, nullable=True)
-    if values is not None and not all(isinstance(v, str) for v in values):
-        raise ValueError(f'field "{name}" must be an array of strings, got {_describe(values)}')
-    return values
-
-
-def _integers(raw: dict[str, Any], name: str, *, where: str = "") -> list[int] | None:
-    values = _field(raw, name, "array", None, nullable=True, where=where)
-    if values is not None and not all(_is_int(v) for v in values):
-        raise ValueError(
-            f'field "{where}{name}" must be an array of integers, got {_describe(values)}'
-        )
-    return values
-
-
-def _token_ids(raw: dict[str, Any], name: str) -> tuple[int, ...]:
-    """A token-id field HF writes as an integer, an array of integers, or null."""
-    value = raw.get(name)
-    if value is None:
-        return ()
-    if _is_int(value):
-        return (value,)
-    if isinstance(value, list) and all(_is_int(v) for v in value):
-        return tuple(value)
-    raise ValueError(
-        f'field "{name}" must be an integer, an array of integers or null, got {_describe(value)}'
-    )

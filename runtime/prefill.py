@@ -39,7 +39,7 @@ from .config import SamplingParams
 from .draft import PendingPairs
 from .kv_cache import KVCache
 from .requests import stop_ids
-from .rng import fresh_seed, seed_halves
+from .rng import seed_halves
 from .round import FINISH_NONE, SpecState, emit, round_report
 from .sampling import SamplingTensors, draw_tokens
 
@@ -211,9 +211,8 @@ def padded_prompts(
     """Host tensors: prompts right-padded with zeros to `length` columns (default the longest
     prompt, at least _MIN_PREFILL_TOKENS) [B, T] int64 and their lengths [B] int64; in
     pinned memory if `pinned` (for copies to the device that do not synchronise)."""
-    longest = max(map(len, prompts))
-    length = max(_MIN_PREFILL_TOKENS, longest) if length is None else length
-    assert length >= max(_MIN_PREFILL_TOKENS, longest), (length, longest)
+    length = prefill_columns(prompts) if length is None else length
+    assert length >= prefill_columns(prompts), (length, prompts)
     tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
     for slot, prompt in enumerate(prompts):
         tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
@@ -221,6 +220,12 @@ def padded_prompts(
     if pinned:
         return tokens.pin_memory(), lengths.pin_memory()
     return tokens, lengths
+
+
+def prefill_columns(prompts: Sequence[Sequence[int]]) -> int:
+    """The columns `padded_prompts` pads a batch to by default: its longest prompt, at least
+    _MIN_PREFILL_TOKENS."""
+    return max(_MIN_PREFILL_TOKENS, *map(len, prompts))
 
 
 def prefill_graph_length(num_tokens: int, *, max_seq_len: int) -> int:
@@ -254,7 +259,14 @@ def reset_requests(
     stops = [stop_ids(p, eos_token_ids, vocab_size=vocab_size) for p in params]
     width = max(map(len, stops), default=0) or 1
     rows = [
-        [p.temperature, p.top_k, p.top_p, p.max_new_tokens, *_seed_halves(p), *_padded(ids, width)]
+        [
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.max_new_tokens,
+            *seed_halves(p.seed),
+            *_padded(ids, width),
+        ]
         for p, ids in zip(params, stops, strict=True)
     ]
     fields = torch.tensor(rows, dtype=torch.float64)
@@ -268,10 +280,6 @@ def reset_requests(
     state.sampling.seed.copy_(fields[:, 4:6])
     ids = fields[:, 6:].long()
     state.stop_mask.zero_().scatter_(1, ids.clamp_min(0), ids >= 0)
-
-
-def _seed_halves(p: SamplingParams) -> tuple[int, int]:
-    return seed_halves(fresh_seed() if p.seed is None else p.seed)
 
 
 def _padded(ids: list[int], width: int) -> list[int]:

@@ -24,9 +24,7 @@ import secrets
 
 import torch
 
-from .kernels.counter_rng import counter_uniform
-
-_MASK32 = 0xFFFFFFFF
+from .kernels.counter_rng import MASK32, counter_uniform
 
 
 class Site(enum.IntEnum):
@@ -38,14 +36,12 @@ class Site(enum.IntEnum):
     RESIDUAL = 4  # the bonus drawn from the residual where the walk stopped
 
 
-def fresh_seed() -> int:
-    """A seed for a request that gave none (from the OS's entropy, not torch's generator)."""
-    return secrets.randbits(64)
-
-
-def seed_halves(seed: int) -> tuple[int, int]:
-    """A 64-bit seed as (low, high) 32-bit halves."""
-    return seed & _MASK32, (seed >> 32) & _MASK32
+def seed_halves(seed: int | None) -> tuple[int, int]:
+    """A request's 64-bit seed as (low, high) 32-bit halves; a request without one gets a
+    fresh seed (from the OS's entropy, not torch's generator)."""
+    if seed is None:
+        seed = secrets.randbits(64)
+    return seed & MASK32, (seed >> 32) & MASK32
 
 
 def uniform(

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import SamplingParams
-from .rng import Site, exponential, fresh_seed, gumbel, seed_halves
+from .rng import Site, exponential, gumbel, seed_halves
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class SamplingTensors:
     ) -> SamplingTensors:
         """Tensors of `params` (unseeded requests get fresh seeds); `position` [B] int64 the
         tokens emitted so far (zeros when not given)."""
-        seeds = [seed_halves(fresh_seed() if p.seed is None else p.seed) for p in params]
+        seeds = [seed_halves(p.seed) for p in params]
         if position is None:
             position = torch.zeros(len(params), dtype=torch.int64, device=device)
         return cls(

@@ -22,7 +22,7 @@ from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from .config import SamplingParams
 from .kv_cache import KVCache
-from .prefill import allocate_state, padded_prompts, prefill
+from .prefill import allocate_state, prefill, prefill_columns
 from .round import SpecState
 
 
@@ -46,7 +46,7 @@ def admit(
     """
     assert len(slots) == len(prompts) == len(params) > 0, (slots, len(prompts), len(params))
     device = state.root.device
-    num_columns = padded_prompts(prompts)[0].shape[1]
+    num_columns = prefill_columns(prompts)
     staging = allocate_state(
         target,
         head,

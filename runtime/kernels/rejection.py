@@ -29,17 +29,6 @@ import torch
 from ._triton import rt_op, uses_triton
 
 
-def launch_rejection_walk(
-    probs, parent, node_row, node_draft_id, draft_probs, draft_to_target, uniforms
-) -> tuple[torch.Tensor, ...]:
-    """Run the Triton kernel (arguments as `rejection_walk`, contiguous; needs Triton). Used by
-    the op and by the interpreter tests."""
-    # Imported here, not at the top: this module must load where Triton is missing.
-    from .rejection_triton import launch_rejection_walk as launch
-
-    return launch(probs, parent, node_row, node_draft_id, draft_probs, draft_to_target, uniforms)
-
-
 def check_rejection_walk_inputs(
     probs, parent, node_row, node_draft_id, draft_probs, draft_to_target, uniforms
 ) -> None:
@@ -103,6 +92,9 @@ def rejection_walk(
     # (CPU, meta), and any tensors without Triton, take the reference.
     if not uses_triton(probs.device):
         return rejection_walk_ref(*args)
+    # Imported here, not at the top: this module must load where Triton is missing.
+    from .rejection_triton import launch_rejection_walk
+
     return launch_rejection_walk(*(t.contiguous() for t in args))
 
 

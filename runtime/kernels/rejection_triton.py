@@ -1,7 +1,7 @@
 """The Triton kernel of `rt::rejection_walk` and its launcher.
 
-Imported only where Triton is installed, by `rejection.launch_rejection_walk` (the op's CUDA
-path and the TRITON_INTERPRET tests): rejection.py states the walk, what one program does
+Imported only where Triton is installed, by the op's CUDA path in rejection.py (and by the
+TRITON_INTERPRET tests): rejection.py states the walk, what one program does
 and how its numerics relate to `rejection_walk_ref`, which every other caller runs.
 """
 

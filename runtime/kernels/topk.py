@@ -36,18 +36,6 @@ MAX_K = 64
 MAX_CHUNK = 2048
 
 
-def launch_topk(
-    x: torch.Tensor, k: int, *, log_softmax: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the Triton kernels on x [R, V] (last dim contiguous; needs Triton). Returns values
-    [R, k] (in x's dtype; float32 log-probabilities with `log_softmax`) and columns [R, k]
-    int64. Used by the ops and by the interpreter tests."""
-    # Imported here, not at the top: this module must load where Triton is missing.
-    from .topk_triton import launch_topk as launch
-
-    return launch(x, k, log_softmax=log_softmax)
-
-
 def check_topk_inputs(x: torch.Tensor, k: int, *, op: str = "rt::topk") -> None:
     """Raise ValueError unless `op` (rt::topk or rt::log_softmax_topk) takes (x, k)."""
     if op == "rt::log_softmax_topk":
@@ -64,7 +52,11 @@ def check_topk_inputs(x: torch.Tensor, k: int, *, op: str = "rt::topk") -> None:
 def _launch_on_rows(
     x: torch.Tensor, k: int, *, log_softmax: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """launch_topk over x [..., V] viewed as rows; outputs shaped [..., k]."""
+    """The Triton kernels (topk_triton.launch_topk) over x [..., V] viewed as rows; outputs
+    shaped [..., k]."""
+    # Imported here, not at the top: this module must load where Triton is missing.
+    from .topk_triton import launch_topk
+
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

@@ -1,6 +1,6 @@
 """The Triton kernels of `rt::topk` and `rt::log_softmax_topk` and their launcher.
 
-Imported only where Triton is installed, by `topk.launch_topk` (the ops' CUDA path and the
+Imported only where Triton is installed, by the ops' CUDA path in topk.py (and by the
 TRITON_INTERPRET tests): topk.py states the selection order and the two stages, and holds the
 references that every other caller runs.
 """

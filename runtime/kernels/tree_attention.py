@@ -27,34 +27,12 @@ import torch
 
 from ._triton import rt_op, uses_triton
 from .tree_attention_config import (
-    LaunchConfig,
     check_inputs,
     launch_config,
     num_multiprocessors,
 )
 
 _BITS_PER_WORD = 64
-
-
-def launch_tree_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_len: torch.Tensor,
-    k_tree: torch.Tensor,
-    v_tree: torch.Tensor,
-    anc: torch.Tensor,
-    *,
-    scale: float,
-    config: LaunchConfig,
-) -> torch.Tensor:
-    """Run the Triton kernels with an explicit launch config (shapes as in `tree_attention`;
-    needs Triton). Used by the op (config from `launch_config`), by tuning sweeps and by the
-    interpreter tests."""
-    # Imported here, not at the top: this module must load where Triton is missing.
-    from .tree_attention_triton import launch_tree_attention as launch
-
-    return launch(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale, config=config)
 
 
 @rt_op("rt::tree_attention")
@@ -86,6 +64,9 @@ def _tree_attention_op(
         num_sms=num_multiprocessors(q.device),
         fixed=fixed_config,
     )
+    # Imported here, not at the top: this module must load where Triton is missing.
+    from .tree_attention_triton import launch_tree_attention
+
     return launch_tree_attention(
         q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale, config=config
     )

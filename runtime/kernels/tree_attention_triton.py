@@ -1,7 +1,7 @@
 """The Triton kernels of `rt::tree_attention` and their launcher.
 
-Imported only where Triton is installed, by `tree_attention.launch_tree_attention` (the op's
-CUDA path, tuning sweeps and the TRITON_INTERPRET tests): tree_attention.py states what the op
+Imported only where Triton is installed, by the op's CUDA path in tree_attention.py
+(and by tuning sweeps and the TRITON_INTERPRET tests): tree_attention.py states what the op
 computes and holds its reference, which every other caller runs. Launch configs come from
 tree_attention_config.py.
 """

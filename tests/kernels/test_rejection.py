@@ -16,7 +16,6 @@ import torch
 from triton_interpreter import assert_script_passes_under_interpreter
 
 from specrun.runtime.kernels.rejection import (
-    launch_rejection_walk,
     rejection_walk,
     rejection_walk_ref,
 )
@@ -149,6 +148,8 @@ INTERPRET_CASES = (
 
 def _interpret_main() -> int:
     """Run as a script under TRITON_INTERPRET=1: the kernel on the CPU vs the reference."""
+    from specrun.runtime.kernels.rejection_triton import launch_rejection_walk
+
     failures = 0
     for seed, (batch, nodes, depth, topk, vocab, draft_vocab, closeness) in enumerate(
         INTERPRET_CASES

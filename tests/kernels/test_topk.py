@@ -20,7 +20,6 @@ from triton_interpreter import assert_script_passes_under_interpreter
 from specrun.runtime.kernels.topk import (
     MAX_CHUNK,
     MAX_K,
-    launch_topk,
     log_softmax_topk,
     log_softmax_topk_ref,
     topk,
@@ -148,6 +147,8 @@ INTERPRET_CASES = (
 
 def _interpret_main() -> int:
     """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference."""
+    from specrun.runtime.kernels.topk_triton import launch_topk
+
     failures = 0
     for i, (num_rows, num_cols, k, ties) in enumerate(INTERPRET_CASES):
         x = make_rows((num_rows, num_cols), dtype=torch.float32, seed=i, ties=ties)

@@ -22,7 +22,6 @@ from triton_interpreter import assert_script_passes_under_interpreter
 from specrun.models.attention import pack_ancestor_mask
 from specrun.models.attention import tree_attention as model_tree_attention
 from specrun.runtime.kernels.tree_attention import (
-    launch_tree_attention,
     tree_attention,
     tree_attention_ref,
 )
@@ -223,6 +222,8 @@ INTERPRET_CASES = (
 
 def _interpret_main() -> int:
     """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference."""
+    from specrun.runtime.kernels.tree_attention_triton import launch_tree_attention
+
     failures = 0
     for i, (case, lens, block_r, block_n, num_splits, split_len) in enumerate(INTERPRET_CASES):
         gen = torch.Generator().manual_seed(i)
@@ -270,6 +271,8 @@ def test_gpu_kernel_matches_reference(case, dtype, fixed_config):
 @needs_cuda
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 def test_gpu_layer_buffer_slice_and_forced_splits(num_splits):
+    from specrun.runtime.kernels.tree_attention_triton import launch_tree_attention
+
     case = Case(3, 32, 8, 6, 11, 1500, 128)
     inputs = make_inputs(case, dtype=torch.bfloat16, device="cuda", cache_len=[1500, 0, 701],
                          layer_buffer=True)  # fmt: skip
