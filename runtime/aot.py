@@ -9,7 +9,7 @@
   tokens, so the warm-up prompt covers every length: one graph for batch 1, one for larger
   batches), CUDA graphs included;
 - with `precompile`, every one of those graphs compiled through Dynamo's precompile
-  (`Decoder.precompiling`, `CompiledStep.aot_compile`) rather than `torch.compile`, once
+  (`precompiling`, `CompiledStep.aot_compile`) rather than `torch.compile`, once
   each, so that loading skips Dynamo tracing too.
 
 `expected_manifest` is the decoder's fingerprint: torch / triton / Python, device, dtype,
@@ -24,12 +24,14 @@ and no Dynamo tracing for precompiled graphs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -118,7 +120,7 @@ def build(
     if decoder.warmups:
         decoder.close()  # prepared steps would not be compiled (and recorded) again
     with artifacts.recording() as recording, torch.inference_mode():
-        with decoder.precompiling(recording.steps.__setitem__) if precompile else nullcontext():
+        with precompiling(decoder, recording.steps.__setitem__) if precompile else nullcontext():
             decoder.warmup(filtered=filtered, progress=progress, buckets=built)
         manifest = dataclasses.replace(current, built=built, filtered=filtered, command=command)
         return artifacts.save(recording, out, manifest)
@@ -199,7 +201,7 @@ def load_into(
             f"or {advice}"
         )
     loaded = _merged([artifacts.load_artifacts(p, current, rebuild=advice) for p in parts])
-    decoder.add_precompiled(loaded.steps)
+    add_precompiled(decoder, loaded.steps)
     if warmup:
         variant = loaded.manifest.filtered if filtered is None else filtered
         decoder.warmup(filtered=variant, progress=progress)
@@ -227,3 +229,24 @@ def _merged(parts: Sequence[LoadedArtifacts]) -> LoadedArtifacts:
     )
     steps = {name: sum((part.steps.get(name, ()) for part in parts), ()) for name in names}
     return LoadedArtifacts(manifest, steps, sum(part.seconds for part in parts))
+
+
+def add_precompiled(decoder: Decoder, fns: Mapping[str, Sequence[Callable]]) -> None:
+    """Hand ahead-of-time compiled functions ({step name: [...]}, see
+    runtime/graphs/artifacts.py) to the decoder's compiled steps; a call runs the one whose
+    guards pass instead of tracing."""
+    steps = decoder.compiled_steps()
+    if not steps:
+        raise ValueError("precompiled steps need EngineConfig(compile=True)")
+    for name, step in steps.items():
+        step.add_precompiled(fns.get(name, ()))
+
+
+@contextlib.contextmanager
+def precompiling(decoder: Decoder, sink: Callable[[str, Any], None]) -> Iterator[None]:
+    """Within the block every graph a compiled step of the decoder needs is compiled ahead of
+    time and handed to `sink(name, fn)` (CompiledStep.precompiling): what a build records."""
+    with contextlib.ExitStack() as stack:
+        for step in decoder.compiled_steps().values():
+            stack.enter_context(step.precompiling(sink))
+        yield

@@ -1,26 +1,26 @@
-"""The decoding loop: per-bucket state, rounds run eagerly, compiled or as CUDA graphs, and the
-host side that reads one small report per round without blocking inside a round.
+"""Per-bucket decoding state and the graphs that run it: rounds eagerly, compiled or as CUDA
+graphs, prefill graphs, warm-up, and the slot operations continuous batching needs (admit,
+release, move), plus `stream`, the decoding of one static batch.
 
-A batch pads up to its bucket (padding slots ask for no tokens and are done from the start),
-is prefilled into the bucket's static state and then decoded round by round: speculative
-rounds where the bucket has a draft tree, plain autoregressive steps where it has none (or
-there is no draft head). On CUDA the round's report is copied to pinned memory behind an
-event, and the next round is launched before the previous report is read, so the host is at
-most one round behind the GPU and never stalls it. Stop conditions are decided on the device.
+Every bucket's state is a view of the first `bucket` slots of one store (runtime/slots.py),
+with pending buffers as wide as the deepest tree of any bucket, so live slots move between
+buckets without recompiling or capturing anything. A static batch pads up to its bucket
+(padding slots ask for no tokens and are done from the start), is prefilled into the bucket's
+state and decoded round by round: speculative rounds where the bucket has a draft tree, plain
+autoregressive steps where it has none (or there is no draft head). The host reads one small
+report per round, one round late (runtime/reports.py). Stop conditions are decided on the
+device. The serving loop over these operations is runtime/scheduler.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import gc
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -30,9 +30,7 @@ from ..models.llama import Llama
 from .config import EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner, compile_prefill, compile_round, compile_step
 from .graphs.compile import CompiledStep
-from .kv_cache import KVCache
 from .prefill import (
-    allocate_caches,
     allocate_state,
     mark_dynamic_dims,
     padded_prompts,
@@ -42,16 +40,16 @@ from .prefill import (
     reset_requests,
     state_capacity,
 )
-from .requests import FINISH_LENGTH, FINISH_STOP, check_requests
-from .round import FINISH_STOP as FINISH_STOP_CODE
-from .round import ReportColumns, SpecState, decode_round, speculative_round
+from .reports import ReportReader, SlotTracker, Step, host_lag
+from .requests import check_requests
+from .round import SpecState, decode_round, speculative_round
 from .sampling import needs_filtering
-from .stats import DecodeStats, RequestStats
+from .slots import admit, copy_slots, move, release, restore_rows, save_rows, slot_view
+from .stats import DecodeStats
 from .tree import StaticTree, TreeShape
 
 logger = logging.getLogger(__name__)
 
-Step = list[tuple[list[int], str | None]]
 _PADDING = SamplingParams(max_new_tokens=0)
 
 
@@ -131,7 +129,10 @@ class Decoder:
                 else None
             )
         self._runner = CudaGraphRunner(self.device) if self.use_graphs else None
-        self._stores: tuple[KVCache, KVCache | None] | None = None
+        # Pending pairs of every bucket are as wide as the deepest tree: a slot that moves
+        # into a shallower bucket may hold more pairs than that bucket's round produces.
+        self.max_depth = max(map(self.depth_for, config.buckets))
+        self._store: SpecState | None = None
         self._states: dict[int, SpecState] = {}
         # Static prompt buffers (tokens [B, T], lengths [B]) of each captured prefill graph.
         self._prompt_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -167,8 +168,9 @@ class Decoder:
         return 0 if tree is None else tree.depth
 
     def check_fits(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]):
-        """Refuse requests whose prompt + max_new_tokens exceed the slot capacity."""
-        depth = self.depth_for(self.config.bucket_for(len(prompts)))
+        """Refuse requests whose prompt + max_new_tokens exceed the slot capacity (for the
+        deepest tree: a request may decode in any bucket)."""
+        depth = self.max_depth
         for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             needed = state_capacity(len(prompt), p.max_new_tokens, depth)
             if needed > self.config.max_seq_len:
@@ -265,7 +267,7 @@ class Decoder:
             self._runner.close()
         self._states.clear()
         self._prompt_buffers.clear()
-        self._stores = None
+        self._store = None
         self.warmups.clear()
 
     def _decode_batch(
@@ -286,19 +288,19 @@ class Decoder:
 
     @torch.inference_mode()
     def _rounds(self, bucket, variant, state, prompts, params, num_real, stats):
-        reader = ReportReader(self.device, num_real)
+        reader = ReportReader(self.device)
         started = time.perf_counter()
         reader.submit(functools.partial(self._prefill, state, prompts, params))
-        rows, _ = reader.read()
+        rows, _, _ = reader.read()
         stats.prefill_seconds += time.perf_counter() - started
         tracker = SlotTracker(num_real)
         yield tracker.step(rows, stats, counts_round=False)
         run_round = self.round_runner(bucket, variant=variant)
-        lag = 1 if self.device.type == "cuda" else 0
+        lag = host_lag(self.device)
         while not tracker.all_done:
             while len(reader) <= lag:
                 reader.submit(run_round)
-            rows, seconds = reader.read()
+            rows, seconds, _ = reader.read()
             stats.round_seconds += seconds
             yield tracker.step(rows, stats, counts_round=True)
         stats.per_request.extend(tracker.request_stats())
@@ -386,25 +388,6 @@ class Decoder:
         steps = (self._round, self._decode, self._prefill_target, self._prefill_draft)
         return {step.name: step for step in steps if step is not None}
 
-    def add_precompiled(self, fns: Mapping[str, Sequence[Callable]]) -> None:
-        """Hand ahead-of-time compiled functions ({step name: [...]}, see
-        runtime/graphs/artifacts.py) to the compiled steps; a call runs the one whose guards
-        pass instead of tracing."""
-        steps = self.compiled_steps()
-        if not steps:
-            raise ValueError("precompiled steps need EngineConfig(compile=True)")
-        for name, step in steps.items():
-            step.add_precompiled(fns.get(name, ()))
-
-    @contextlib.contextmanager
-    def precompiling(self, sink: Callable[[str, Any], None]) -> Iterator[None]:
-        """Within the block every graph a compiled step needs is compiled ahead of time and
-        handed to `sink(name, fn)` (CompiledStep.precompiling): what a build records."""
-        with contextlib.ExitStack() as stack:
-            for step in self.compiled_steps().values():
-                stack.enter_context(step.precompiling(sink))
-            yield
-
     def _round_step(self, bucket: int, variant: RoundVariant) -> Callable[[], torch.Tensor]:
         """The bucket's round variant as a zero-argument call over its static state."""
         state, tree = self.state(bucket), self.tree_for(bucket)
@@ -417,13 +400,20 @@ class Decoder:
         return functools.partial(self._round, self.target, self.head, state, tree)
 
     def _prepare_round(self, bucket: int, variant: RoundVariant) -> int:
-        """Compile the bucket's round variant (warm-up calls on a done batch), capture it."""
+        """Compile the bucket's round variant and capture it, by warm-up calls on the state
+        with every slot done; the slots' small tensors are restored afterwards, so a variant
+        can be prepared while requests decode (see slots.save_rows)."""
         step = self._round_step(bucket, variant)
-        self.state(bucket).done.fill_(True)
-        if self._runner is None:
-            step()
-            return 0
-        return self._runner.capture((bucket, variant), step).pool_bytes
+        state = self.state(bucket)
+        saved = save_rows(state)
+        state.done.fill_(True)
+        try:
+            if self._runner is None:
+                step()
+                return 0
+            return self._runner.capture((bucket, variant), step).pool_bytes
+        finally:
+            restore_rows(state, saved)
 
     def _prefill_for_warmup(self, bucket: int) -> None:
         """A prefill at the bucket's batch size (compiles the prefill forwards)."""
@@ -431,33 +421,64 @@ class Decoder:
         self._prefill(self.state(bucket), prompts, [_PADDING] * bucket)
 
     def state(self, bucket: int) -> SpecState:
-        """The bucket's state: views of the shared caches over its first `bucket` slots."""
+        """The bucket's state: views of the store's first `bucket` slots."""
         if bucket not in self._states:
-            target_store, draft_store = self._kv_stores(bucket)
-            uses_head = self.tree_for(bucket) is not None
-            self._states[bucket] = allocate_state(
-                self.target,
-                self.head if uses_head else None,
-                batch_size=bucket,
-                capacity=self.config.max_seq_len,
-                depth=self.depth_for(bucket),
-                target_cache=_slots(target_store, bucket),
-                draft_cache=_slots(draft_store, bucket) if uses_head else None,
-            )
+            self._states[bucket] = slot_view(self._store_for(bucket), bucket)
         return self._states[bucket]
 
-    def _kv_stores(self, bucket: int) -> tuple[KVCache, KVCache | None]:
-        """KV caches for the largest bucket with graphs or compiled steps (the steps' guards
-        hold the strides of its views: the same whatever order buckets are first used in, as
-        artifacts built in another process need); eagerly, grown to what is needed (growing
-        drops the states built on the smaller stores)."""
+    def _store_for(self, bucket: int) -> SpecState:
+        """The state of every slot: for the largest bucket with graphs or compiled steps (the
+        steps' guards hold the strides of its views: the same whatever order buckets are
+        first used in, as artifacts built in another process need); eagerly, grown to what is
+        needed, keeping the slots' contents (growing drops the views of the old store)."""
         num_slots = self.config.buckets[-1] if self._compiled or self.use_graphs else bucket
-        if self._stores is None or self._stores[0].k.shape[1] < num_slots:
+        old = self._store
+        if old is None or old.root.shape[0] < num_slots:
             self._states.clear()
-            self._stores = allocate_caches(
-                self.target, self.head, batch_size=num_slots, capacity=self.config.max_seq_len
+            self._store = allocate_state(
+                self.target,
+                self.head,
+                batch_size=num_slots,
+                capacity=self.config.max_seq_len,
+                depth=self.max_depth,
             )
-        return self._stores
+            if old is not None:
+                copy_slots(old, slot_view(self._store, old.root.shape[0]))
+        return self._store
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of the largest bucket: what a running batch may grow to."""
+        return self.config.buckets[-1]
+
+    def admit(
+        self,
+        bucket: int,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+    ) -> torch.Tensor:
+        """Prefill new requests into free `slots` of the bucket's state (slots.admit, with the
+        compiled prefill forwards). Returns their prefill report [len(slots), 5] int64."""
+        return admit(
+            self.target,
+            self.head,
+            self.state(bucket),
+            slots,
+            prompts,
+            params,
+            self.eos_token_ids,
+            target_forward=self._prefill_target,
+            draft_forward=self._prefill_draft,
+        )
+
+    def release(self, bucket: int, slots: Sequence[int]) -> None:
+        """Mark slots of the bucket's state done (slots.release)."""
+        release(self.state(bucket), slots)
+
+    def move(self, bucket: int, sources: Sequence[int], dests: Sequence[int]) -> None:
+        """Move live slots of the bucket's state into free ones (slots.move)."""
+        move(self.state(bucket), sources, dests)
 
 
 def settle_heap() -> None:
@@ -467,85 +488,3 @@ def settle_heap() -> None:
     (H100 eval: 8 of up to 569 ms), mid-decode with the GPU idle if it lands there."""
     gc.collect()
     gc.freeze()
-
-
-def _slots(store: KVCache | None, num_slots: int) -> KVCache | None:
-    if store is None:
-        return None
-    return KVCache(store.k[:, :num_slots], store.v[:, :num_slots], store.lengths[:num_slots])
-
-
-class ReportReader:
-    """Round reports copied to host memory in launch order. On CUDA each goes to a pinned
-    buffer behind an event, so submitting never blocks and reading waits for that round only;
-    each round is timed on the GPU by an event pair around it."""
-
-    def __init__(self, device: torch.device, num_real: int) -> None:
-        self._cuda = device.type == "cuda"
-        self._num_real = num_real
-        self._queue: deque = deque()
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def submit(self, run: Callable[[], torch.Tensor]) -> None:
-        """Launch `run` (returns a report [B, C] int64) and queue its copy to the host."""
-        if not self._cuda:
-            started = time.perf_counter()
-            rows = run().tolist()
-            self._queue.append((rows, time.perf_counter() - started))
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        report = run()
-        host = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
-        host.copy_(report, non_blocking=True)
-        end.record()
-        self._queue.append((host, (start, end)))
-
-    def read(self) -> tuple[list[list[int]], float]:
-        """The oldest report's rows (real slots only) and the seconds its launch took."""
-        report, timing = self._queue.popleft()
-        if not self._cuda:
-            return report[: self._num_real], timing
-        start, end = timing
-        end.synchronize()
-        return report[: self._num_real].tolist(), start.elapsed_time(end) / 1e3
-
-
-class SlotTracker:
-    """The host's view of a batch, updated from reports: which slots are done, and each
-    slot's rounds and accepted draft tokens."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.done = [False] * num_slots
-        self.num_rounds = [0] * num_slots
-        self.num_accepted = [0] * num_slots
-
-    @property
-    def all_done(self) -> bool:
-        return all(self.done)
-
-    def step(self, rows: list[list[int]], stats: DecodeStats, *, counts_round: bool) -> Step:
-        """New tokens and finish reasons of one report; round statistics when it is a round."""
-        step: Step = []
-        cols = ReportColumns
-        for slot, row in enumerate(rows):
-            was_done = self.done[slot]
-            tokens = row[cols.TOKENS : cols.TOKENS + row[cols.NUM_EMITTED]]
-            ended = bool(row[cols.DONE]) and not was_done
-            reason = FINISH_STOP if row[cols.FINISH] == FINISH_STOP_CODE else FINISH_LENGTH
-            step.append((tokens, reason if ended else None))
-            self.done[slot] = bool(row[cols.DONE])
-            if counts_round and not was_done:
-                self.num_rounds[slot] += 1
-                self.num_accepted[slot] += row[cols.NUM_ACCEPTED]
-                stats.accepted_histogram[row[cols.NUM_ACCEPTED]] += 1
-        stats.num_rounds += counts_round
-        return step
-
-    def request_stats(self) -> list[RequestStats]:
-        return [
-            RequestStats(rounds, accepted)
-            for rounds, accepted in zip(self.num_rounds, self.num_accepted, strict=True)
-        ]

@@ -37,8 +37,8 @@ class SpecState:
     target, draft: KV caches (target length = position of the root token); no draft cache
         for plain decoding.
     root: [B] int64 pending token (sampled, not yet in the target cache).
-    pending: pairs the draft has not seen (the root paired with the last committed feature);
-        None for plain decoding.
+    pending: pairs the draft has not seen (the root paired with the last committed feature),
+        at least D+1 wide; None for plain decoding.
     output: [B, C] int64 generated tokens; num_output: [B] int64.
     max_new: [B] int64; stop_mask: [B, V] bool; done: [B] bool; finish: [B] int64 (FINISH_*).
     sampling: per-slot sampling parameters.
@@ -132,8 +132,11 @@ def verify_phase(
     emitted = _emitted_tokens(tree, acceptance)
     num_emitted = emit(state, emitted, acceptance.num_accepted + 1, was_done)
     features = head.target_features(out)
-    state.pending.tokens.copy_(emitted)
-    state.pending.features.copy_(_gather_nodes(features, acceptance.path))
+    # The pending buffers may be wider than D+1 (sized for the deepest tree of any bucket a
+    # slot can move to); the columns past num_valid are padding.
+    width = emitted.shape[1]
+    state.pending.tokens[:, :width].copy_(emitted)
+    state.pending.features[:, :width].copy_(_gather_nodes(features, acceptance.path))
     state.pending.num_valid.copy_(torch.where(was_done, 0, acceptance.num_accepted + 1))
     state.root.copy_(acceptance.bonus)
     num_accepted = torch.where(was_done, 0, acceptance.num_accepted)

@@ -1,6 +1,12 @@
-"""Slot operations between rounds: admitting new requests into free slots of a running
-bucket's state while the other slots keep their KV caches, positions and random streams (the
-mechanism of continuous batching).
+"""Slot operations between rounds, the mechanism of continuous batching: views of a bucket's
+first slots, admitting new requests into free slots while the other slots keep their KV
+caches, positions and random streams, releasing slots, moving live slots, and saving the small
+per-slot tensors around a warm-up that runs rounds over a live state.
+
+Every bucket decodes in a view of the first `bucket` slots of one store (`slot_view`), so a
+batch grows into a larger bucket without copying anything, and shrinks by moving its live
+slots below the smaller bucket's size (`move`). Slots not owned by a request are done: a round
+runs them harmlessly.
 
 `admit` prefills the new prompts into a small staging state of their own (`prefill`, with the
 compiled prefill forwards when given: dynamic shapes, so any number of requests and prompt
@@ -14,7 +20,8 @@ admitted does not change what it samples.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -24,6 +31,7 @@ from .config import SamplingParams
 from .kv_cache import KVCache
 from .prefill import allocate_state, prefill, prefill_columns
 from .round import SpecState
+from .sampling import SamplingTensors
 
 
 def admit(
@@ -64,7 +72,7 @@ def admit(
         target_forward=target_forward,
         draft_forward=draft_forward,
     )
-    index = torch.tensor(list(slots), dtype=torch.int64).to(device, non_blocking=True)
+    index = slot_index(slots, device)
     _copy_cache(staging.target, state.target, index)
     if state.draft is not None:
         _copy_cache(staging.draft, state.draft, index)
@@ -86,3 +94,115 @@ def _copy_cache(source: KVCache, dest: KVCache, index: torch.Tensor) -> None:
     dest.k[:, index, :, :num_positions] = source.k
     dest.v[:, index, :, :num_positions] = source.v
     dest.lengths[index] = source.lengths
+
+
+def slot_index(slots: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Slot numbers as a device int64 tensor, copied from pinned memory on CUDA so that the
+    copy does not wait for the rounds already queued."""
+    index = torch.tensor(list(slots), dtype=torch.int64)
+    if device.type == "cuda":
+        index = index.pin_memory()
+    return index.to(device, non_blocking=True)
+
+
+def slot_view(state: SpecState, num_slots: int) -> SpecState:
+    """The state of the first `num_slots` slots: views sharing the store's memory (contiguous
+    along the slot dimension, so their strides do not depend on `num_slots`)."""
+    if state.root.shape[0] == num_slots:
+        return state
+
+    def cache(c: KVCache | None) -> KVCache | None:
+        return None if c is None else KVCache(c.k[:, :num_slots], c.v[:, :num_slots],
+                                                c.lengths[:num_slots])  # fmt: skip
+
+    num_output = state.num_output[:num_slots]
+    sampling = state.sampling
+    return SpecState(
+        target=cache(state.target),
+        draft=cache(state.draft),
+        root=state.root[:num_slots],
+        pending=None
+        if state.pending is None
+        else type(state.pending)(
+            *(getattr(state.pending, f.name)[:num_slots] for f in dataclasses.fields(state.pending))
+        ),
+        output=state.output[:num_slots],
+        num_output=num_output,
+        max_new=state.max_new[:num_slots],
+        stop_mask=state.stop_mask[:num_slots],
+        done=state.done[:num_slots],
+        finish=state.finish[:num_slots],
+        sampling=SamplingTensors(
+            temperature=sampling.temperature[:num_slots],
+            top_k=sampling.top_k[:num_slots],
+            top_p=sampling.top_p[:num_slots],
+            seed=sampling.seed[:num_slots],
+            position=num_output,
+            filtered=sampling.filtered,
+        ),
+    )
+
+
+def release(state: SpecState, slots: Sequence[int]) -> None:
+    """Mark `slots` done (a cancelled request's, or slots vacated by a move): the rounds
+    already queued finish their work on them, later rounds skip them."""
+    if slots:
+        state.done[slot_index(slots, state.root.device)] = True
+
+
+def move(state: SpecState, sources: Sequence[int], dests: Sequence[int]) -> None:
+    """Move live slots: every per-slot tensor's row of each source slot into its destination
+    slot (free ones), then release the sources."""
+    assert len(sources) == len(dests) and not set(sources) & set(dests), (sources, dests)
+    if not sources:
+        return
+    device = state.root.device
+    source, dest = slot_index(sources, device), slot_index(dests, device)
+    for tensor, dim in _per_slot_tensors(state, with_caches=True):
+        tensor.index_copy_(dim, dest, tensor.index_select(dim, source))
+    release(state, sources)
+
+
+def copy_slots(source: SpecState, dest: SpecState) -> None:
+    """Every per-slot tensor of `source` into `dest`, a state of the same shapes."""
+    pairs = zip(
+        _per_slot_tensors(source, with_caches=True),
+        _per_slot_tensors(dest, with_caches=True),
+        strict=True,
+    )
+    for (tensor, _), (into, _) in pairs:
+        into.copy_(tensor)
+
+
+def save_rows(state: SpecState) -> list[torch.Tensor]:
+    """Copies of the small per-slot tensors (all but the K/V and output buffers), for
+    `restore_rows` after warm-up rounds have run over a live state: those rounds write K/V and
+    outputs only past each slot's length and output count, which the restored rows keep."""
+    return [tensor.clone() for tensor, _ in _per_slot_tensors(state, with_caches=False)]
+
+
+def restore_rows(state: SpecState, saved: list[torch.Tensor]) -> None:
+    for (tensor, _), copy in zip(_per_slot_tensors(state, with_caches=False), saved, strict=True):
+        tensor.copy_(copy)
+
+
+def _per_slot_tensors(state: SpecState, *, with_caches: bool) -> Iterator[tuple[torch.Tensor, int]]:
+    """(tensor, slot dimension) of every per-slot tensor of the state, each once; K/V and the
+    output buffer only `with_caches`."""
+    for cache in (state.target, state.draft):
+        if cache is not None:
+            yield cache.lengths, 0
+            if with_caches:
+                yield cache.k, 1
+                yield cache.v, 1
+    if state.pending is not None:
+        for f in dataclasses.fields(state.pending):
+            yield getattr(state.pending, f.name), 0
+    if with_caches:
+        yield state.output, 0
+    for tensor in (state.root, state.num_output, state.max_new, state.stop_mask, state.done,
+                   state.finish):  # fmt: skip
+        yield tensor, 0
+    sampling = state.sampling
+    for tensor in (sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed):
+        yield tensor, 0

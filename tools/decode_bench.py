@@ -35,8 +35,9 @@ from ..models.config import DraftConfig, LlamaConfig
 from ..models.eagle import DraftHead, build_draft
 from ..models.llama import Llama
 from ..runtime.config import EngineConfig, SamplingParams
-from ..runtime.decoder import Decoder, ReportReader, RoundVariant
+from ..runtime.decoder import Decoder, RoundVariant
 from ..runtime.graphs import CudaGraphRunner, compile_step
+from ..runtime.reports import ReportReader
 from ..runtime.round import SpecState, draft_phase
 from ..runtime.tree import TreeShape
 
@@ -186,7 +187,7 @@ def profile_kernels(run, *, bucket: int, num_rounds: int, host_loop: bool) -> li
     report out, read it one round behind) when `host_loop`, else replayed back to back."""
     from torch.profiler import ProfilerActivity, profile
 
-    reader = ReportReader(torch.device("cuda"), bucket)
+    reader = ReportReader(torch.device("cuda"))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(num_rounds):
