@@ -1,6 +1,18 @@
 """specrun's public runtime API."""
 
 from .config import EngineConfig, SamplingParams
-from .engine import Engine, EngineStats, Output
+from .engine import Engine
+from .handle import Delta, EngineClosedError, EngineOverloadedError, Output, RequestHandle
+from .stats import EngineStats
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "Output", "SamplingParams"]
+__all__ = [
+    "Delta",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineOverloadedError",
+    "EngineStats",
+    "Output",
+    "RequestHandle",
+    "SamplingParams",
+]

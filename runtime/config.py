@@ -191,7 +191,12 @@ class EngineConfig:
         (see prefill_graph_length) is at most this replays a graph captured for that pair on
         first use; longer prefills run the compiled forwards (0: always). The graphs share the
         rounds' memory pool, which grows to the largest prefill's activations.
-    queue: run batches larger than the largest bucket in chunks (False: refuse them).
+    queue: accept lists of prompts larger than the largest bucket in `generate` (False:
+        refuse them).
+    max_waiting: requests that may wait for a slot; `submit` beyond it raises
+        EngineOverloadedError (`generate` and `stream` wait for room).
+    max_prefill_tokens: prompt tokens admitted between two rounds (the first waiting request
+        always is): bounds how long admissions delay the running requests' next round.
     """
 
     device: str = "auto"
@@ -206,6 +211,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     prefill_graph_tokens: int = 4096
     queue: bool = True
+    max_waiting: int = 1024
+    max_prefill_tokens: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("device", "dtype"):
@@ -229,6 +236,10 @@ class EngineConfig:
         _check_int("max_seq_len", self.max_seq_len)
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
+        for name in ("max_waiting", "max_prefill_tokens"):
+            _check_int(name, getattr(self, name))
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         _check_int("prefill_graph_tokens", self.prefill_graph_tokens)
         if self.prefill_graph_tokens < 0:
             raise ValueError(

@@ -472,6 +472,14 @@ class Decoder:
             draft_forward=self._prefill_draft,
         )
 
+    def prefill_batch(
+        self, bucket: int, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> torch.Tensor:
+        """Reset the bucket's state for a fresh batch (one request per slot, padding
+        included) and prefill it, replaying its prefill graph on CUDA when it fits. Returns
+        the prefill report [bucket, 5] int64."""
+        return self._prefill(self.state(bucket), prompts, params)
+
     def release(self, bucket: int, slots: Sequence[int]) -> None:
         """Mark slots of the bucket's state done (slots.release)."""
         release(self.state(bucket), slots)

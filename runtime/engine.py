@@ -1,19 +1,19 @@
-"""The Engine: load a model (and a draft head), turn requests into token ids, decode them with
-the per-bucket compiled (and on CUDA graph-captured) decoder, turn ids back into text.
+"""The Engine: load a model (and a draft head), turn requests into token ids, decode them by
+continuous batching over the per-bucket compiled (and on CUDA graph-captured) decoder, turn
+ids back into text.
 
 With a draft head, buckets that have a draft tree decode speculatively; the others, and every
-bucket without a head, decode plainly. Every request is validated here, before any state is
-touched, so a bad request is refused with a ValueError/TypeError that says what to change and
-never disturbs another.
+bucket without a head, decode plainly. Every request is validated here, before anything is
+queued, so a bad request is refused with a ValueError/TypeError that says what to change and
+never disturbs another. `submit`, `generate` and `stream` may be called from any number of
+threads: one loop thread (runtime/scheduler.py) runs every request on the device.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -25,53 +25,20 @@ from ..models.loading import load_draft, load_target
 from ..models.tokenizer import Tokenizer
 from . import aot
 from .config import EngineConfig, SamplingParams, default_trees, validate_prompt_ids
-from .decoder import BucketWarmup, Decoder, RoundVariant, Step
+from .decoder import BucketWarmup, Decoder, RoundVariant
+from .handle import Delta, Output, RequestHandle
 from .requests import check_requests
-from .stats import DecodeStats, RequestStats
+from .scheduler import Scheduler
+from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 
 
-@dataclass
-class Output:
-    """One finished request: text, generated ids (a final stop token included), why it ended
-    ("stop" or "length"), the wall seconds of its batch, and its rounds and accepted tokens."""
-
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    finish_reason: str
-    seconds: float
-    stats: RequestStats
-
-
-@dataclass
-class EngineStats:
-    """Totals since the engine was built. decode_seconds is wall time (prefill included);
-    prefill_seconds and round_seconds are GPU time on CUDA."""
-
-    num_requests: int = 0
-    num_generated_tokens: int = 0
-    decode_seconds: float = 0.0
-    num_rounds: int = 0
-    accepted_histogram: list[int] = field(default_factory=list)
-    prefill_seconds: float = 0.0
-    round_seconds: float = 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per slot-round (1.0 for plain decoding)."""
-        return DecodeStats(accepted_histogram=self.accepted_histogram).mean_accepted_length
-
-
 class Engine:
-    """Text in, text out. Build with `Engine.from_pretrained`."""
+    """Text in, text out. Build with `Engine.from_pretrained`; close with `close()` (or use
+    it as a context manager)."""
 
     def __init__(
         self,
@@ -86,7 +53,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.decoder = Decoder(model, head, config, eos_token_ids=tokenizer.eos_token_ids)
-        self._stats = EngineStats()
+        self._scheduler = Scheduler(
+            self.decoder,
+            tokenizer=tokenizer,
+            max_waiting=config.max_waiting,
+            max_prefill_tokens=config.max_prefill_tokens,
+        )
 
     @classmethod
     def from_pretrained(
@@ -135,16 +107,16 @@ class Engine:
         `filtered` also prepares the top-k/top-p variants; `prompt_lengths` (in tokens, see
         `encode_prompt`) also captures the prefill graphs such prompts need. Returns what
         each (bucket, round variant) graph cost. Without it, a graph is prepared the first
-        time it is used."""
-        return self.decoder.warmup(
-            filtered=filtered, progress=progress, prompt_lengths=prompt_lengths
+        time it is used. Runs between rounds when requests are decoding."""
+        return self._scheduler.call(
+            lambda: self.decoder.warmup(
+                filtered=filtered, progress=progress, prompt_lengths=prompt_lengths
+            )
         )
 
     def stats(self) -> EngineStats:
-        """A snapshot of the running totals."""
-        return dataclasses.replace(
-            self._stats, accepted_histogram=list(self._stats.accepted_histogram)
-        )
+        """A snapshot of the running totals and the current load."""
+        return self._scheduler.stats()
 
     def encode_prompt(self, prompt: Prompt, *, index: int = 0) -> list[int]:
         """Token ids of a prompt: strings get the chat template when the config asks for it."""
@@ -166,50 +138,70 @@ class Engine:
             )
         return ids
 
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        listener: Callable[[Delta], None] | None = None,
+    ) -> RequestHandle:
+        """Queue one request and return its handle at once (iterate its deltas or text,
+        `cancel()` it, wait for its `result()`). Validated here: a bad request raises
+        ValueError/TypeError; a full waiting queue raises EngineOverloadedError.
+
+        listener: called on the loop thread with each Delta instead of queueing it in the
+            handle; it must return at once (AsyncEngine hands deltas to its event loop)."""
+        [ids], [params] = self._requests([prompt], params)
+        return self._scheduler.submit(ids, params, listener=listener)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Output]:
         """Decode prompts (strings or token-id lists; one or a list) to completion, with one
-        SamplingParams for all or one per prompt. Batches above the largest bucket run in
-        chunks when the config queues them."""
+        SamplingParams for all or one per prompt; outputs in prompt order. Requests beyond the
+        waiting queue wait for room (with `EngineConfig(queue=False)`, lists larger than the
+        largest bucket are refused)."""
         encoded, params = self._requests(prompts, params)
-        max_bucket = self.config.buckets[-1]
-        outputs: list[Output] = []
-        for start in range(0, len(encoded), max_bucket):
-            chunk = slice(start, start + max_bucket)
-            outputs.extend(self._generate_batch(encoded[chunk], params[chunk]))
-        return outputs
+        handles: list[RequestHandle] = []
+        try:
+            for ids, p in zip(encoded, params, strict=True):
+                handles.append(self._scheduler.submit(ids, p, block=True))
+            return [handle.result() for handle in handles]
+        finally:
+            for handle in handles:
+                handle.cancel()
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request as tokens are decoded. The request is validated
-        here, so a bad one raises at the call, before the first delta is asked for."""
+        here, so a bad one raises at the call; it is queued when the first delta is asked
+        for, and cancelled if the generator is closed before the end."""
         [ids], [params] = self._requests([prompt], params)
         return self._stream(ids, params)
 
     def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[str]:
-        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        num_tokens, started = 0, time.perf_counter()
-        stats = DecodeStats()
-        with torch.inference_mode():
-            for [(tokens, _reason)] in self.decoder.stream([ids], [params], stats=stats):
-                num_tokens += len(tokens)
-                delta = decoder.extend(tokens)
-                if delta:
-                    yield delta
-        self._record(num_tokens, time.perf_counter() - started, stats)
-        tail = decoder.flush()
-        if tail:
-            yield tail
+        handle = self._scheduler.submit(ids, params, block=True)
+        try:
+            yield from handle.text()
+        finally:
+            handle.cancel()
 
     def close(self) -> None:
-        """Release graphs, caches and the models' memory."""
+        """Cancel every request, stop the loop, release graphs, caches and the models'
+        memory."""
+        self._scheduler.close()
         self.decoder.close()
         self.model = None
         self.head = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _requests(
         self,
@@ -230,49 +222,8 @@ class Engine:
                 f"{len(encoded)} prompts is more than the largest bucket ({max_bucket}) and "
                 "queueing is off; send fewer prompts or use EngineConfig(queue=True)"
             )
-        for start in range(0, len(encoded), max_bucket):
-            chunk = slice(start, start + max_bucket)
-            self.decoder.check_fits(encoded[chunk], params[chunk])
+        self.decoder.check_fits(encoded, params)
         return encoded, params
-
-    def _generate_batch(
-        self, encoded: list[list[int]], params: list[SamplingParams]
-    ) -> list[Output]:
-        token_ids: list[list[int]] = [[] for _ in encoded]
-        finish = ["length"] * len(encoded)
-        started = time.perf_counter()
-        stats = DecodeStats()
-        with torch.inference_mode():
-            for step in self.decoder.stream(encoded, params, stats=stats):
-                _extend(token_ids, finish, step)
-        seconds = time.perf_counter() - started
-        self._record(sum(map(len, token_ids)), seconds, stats)
-        return [
-            Output(
-                text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                token_ids=ids,
-                prompt_token_ids=prompt,
-                finish_reason=reason,
-                seconds=seconds,
-                stats=request_stats,
-            )
-            for prompt, ids, reason, request_stats in zip(
-                encoded, token_ids, finish, stats.per_request, strict=True
-            )
-        ]
-
-    def _record(self, num_tokens: int, seconds: float, stats: DecodeStats) -> None:
-        totals = self._stats
-        totals.num_requests += stats.num_requests
-        totals.num_generated_tokens += num_tokens
-        totals.decode_seconds += seconds
-        totals.num_rounds += stats.num_rounds
-        totals.prefill_seconds += stats.prefill_seconds
-        totals.round_seconds += stats.round_seconds
-        histogram = totals.accepted_histogram
-        histogram.extend([0] * (len(stats.accepted_histogram) - len(histogram)))
-        for depth, count in enumerate(stats.accepted_histogram):
-            histogram[depth] += count
 
 
 def _prompt_list(prompts: object) -> list[Prompt]:
@@ -298,9 +249,3 @@ def _prompt_list(prompts: object) -> list[Prompt]:
 
 
 _TOLIST_HINT = " (pass token ids as a list of ints: ids.tolist())"
-
-
-def _extend(token_ids: list[list[int]], finish: list[str], step: Step) -> None:
-    for slot, (tokens, reason) in enumerate(step):
-        token_ids[slot].extend(tokens)
-        finish[slot] = reason or finish[slot]

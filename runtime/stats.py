@@ -1,4 +1,4 @@
-"""Decoding statistics: per request, per batch, and the engine's running totals.
+"""Decoding statistics: per request, per batch, and the engine's running totals and load.
 
 The decoder counts rounds and accepted draft tokens on the host from the reports it reads
 anyway, so statistics cost no extra device reads.
@@ -6,6 +6,7 @@ anyway, so statistics cost no extra device reads.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -59,3 +60,57 @@ class DecodeStats:
         if not total:
             return 0.0
         return sum((a + 1) * n for a, n in enumerate(self.accepted_histogram)) / total
+
+
+@dataclass
+class EngineStats:
+    """An engine's totals since it was built, and its load now.
+
+    num_requests: requests that ended (finished or cancelled); num_cancelled: those
+    cancelled; num_rejected: submissions refused because the waiting queue was full.
+
+    decode_seconds: wall time while some request was admitted or running; prefill_seconds
+    and round_seconds: GPU time on CUDA (wall time on the CPU) of prefills and rounds, so
+    1 - (prefill_seconds + round_seconds) / decode_seconds is the share of busy wall time the
+    device waited for the host. rounds_by_bucket: rounds per bucket and variant tag
+    ("4" greedy or plain sampling, "4f" top-k/top-p, "4s" stochastic tree).
+    """
+
+    num_requests: int = 0
+    num_generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    num_rounds: int = 0
+    accepted_histogram: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    round_seconds: float = 0.0
+    rounds_by_bucket: dict[str, int] = field(default_factory=dict)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_cancelled: int = 0
+    num_rejected: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per slot-round (1.0 for plain decoding)."""
+        return DecodeStats(accepted_histogram=self.accepted_histogram).mean_accepted_length
+
+    def add_round(self, key: str, seconds: float, histogram: list[int]) -> None:
+        """Count one round of bucket-and-variant `key` and its slots' accepted draft tokens."""
+        self.num_rounds += 1
+        self.round_seconds += seconds
+        self.rounds_by_bucket[key] = self.rounds_by_bucket.get(key, 0) + 1
+        totals = self.accepted_histogram
+        totals.extend([0] * (len(histogram) - len(totals)))
+        for num_accepted, count in enumerate(histogram):
+            totals[num_accepted] += count
+
+    def snapshot(self) -> EngineStats:
+        return dataclasses.replace(
+            self,
+            accepted_histogram=list(self.accepted_histogram),
+            rounds_by_bucket=dict(self.rounds_by_bucket),
+        )

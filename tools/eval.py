@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from ..runtime.config import EngineConfig, SamplingParams
 from ..runtime.distill.data import read_prompts
-from ..runtime.engine import Engine, EngineStats
+from ..runtime.engine import Engine
+from ..runtime.stats import EngineStats
 from ..runtime.tree import TreeShape
 from .eval_plot import check_plotting, plot_records, tree_label
 from .generate import add_tree_arguments, tree_shape

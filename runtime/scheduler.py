@@ -1,0 +1,422 @@
+"""Continuous batching: one loop thread owns the decoder and runs rounds over the live
+requests while others arrive and leave.
+
+Requests are submitted from any thread into a bounded FIFO waiting queue (beyond it,
+`EngineOverloadedError`). Between rounds the loop
+- runs calls posted to it (warm-up, which must not race the rounds);
+- retires cancelled requests (their slots are released on the device);
+- admits waiting requests into the lowest free slots, up to `max_prefill_tokens` prompt
+  tokens per round (at least one request): into an idle decoder as one batch prefill of the
+  bucket (its prefill graph on CUDA), into a running one with `Decoder.admit` (the others
+  keep their KV caches and positions);
+- runs the smallest bucket that holds the highest live slot: a batch grows into a larger
+  bucket without copying (every bucket views the first slots of one store) and, when the live
+  requests fit a smaller bucket and nobody waits, its live slots above that bucket move down;
+- launches one round of that bucket (its variant chosen from the live requests' parameters)
+  and reads the reports one round late, delivering each request's tokens to its handle.
+
+Every launch goes into the one CUDA stream in order, so a slot released or moved between
+rounds is free once the rounds queued before have run; each report carries the owners of
+its rows at launch, so rows of a slot's former owner are never given to its new one. Nothing
+in a round synchronises with the host; the loop waits only on the oldest report's event.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..models.tokenizer import Tokenizer
+from .config import SamplingParams
+from .decoder import Decoder, settle_heap
+from .handle import FINISH_CANCELLED, Delta, EngineClosedError, EngineOverloadedError, RequestHandle
+from .reports import ReportReader, host_lag, row_finish, row_tokens
+from .round import ReportColumns
+from .stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+_PADDING = SamplingParams(max_new_tokens=0)
+
+
+class Scheduler:
+    """The loop over a decoder's buckets. Thread-safe: `submit`, `cancel`, `call` and `close`
+    may be called from any thread; everything else runs on the loop thread, started on first
+    use (or, with `threaded=False`, in whoever calls `step`: tests drive the loop pass by
+    pass).
+
+    Args:
+        decoder: owns the state and graphs; used only from the loop thread from now on.
+        tokenizer: given to handles for their text (None: token ids only).
+        max_waiting: requests that may wait for a slot; more fail with EngineOverloadedError.
+        max_prefill_tokens: prompt tokens admitted per round (the first request always is).
+        threaded: run the loop on its own thread (False: `step` runs one pass).
+    """
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        *,
+        tokenizer: Tokenizer | None,
+        max_waiting: int,
+        max_prefill_tokens: int,
+        threaded: bool = True,
+    ) -> None:
+        self.decoder = decoder
+        self._threaded = threaded
+        self._tokenizer = tokenizer
+        self._max_waiting = max_waiting
+        self._max_prefill_tokens = max_prefill_tokens
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._waiting: deque[RequestHandle] = deque()
+        self._cancels: list[RequestHandle] = []
+        self._calls: deque[tuple[Callable[[], Any], _Result]] = deque()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._stats = EngineStats()
+        # Loop thread only (read under the lock by the wait condition).
+        self._slots: list[RequestHandle | None] = [None] * decoder.num_slots
+        self._bucket = decoder.config.buckets[0]
+        self._reader = ReportReader(decoder.device)
+        self._active_since: float | None = None
+
+    # Any thread.
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        listener: Callable[[Delta], None] | None = None,
+        block: bool = False,
+    ) -> RequestHandle:
+        """Queue a validated request. With `block`, wait for room in the waiting queue;
+        else raise EngineOverloadedError when it is full."""
+        handle = RequestHandle(
+            next(self._ids),
+            prompt,
+            params,
+            tokenizer=self._tokenizer,
+            cancel=self.cancel,
+            listener=listener,
+        )
+        with self._cond:
+            self._ensure_running()
+            while len(self._waiting) >= self._max_waiting:
+                if not block:
+                    self._stats.num_rejected += 1
+                    raise EngineOverloadedError(
+                        f"{len(self._waiting)} requests are already waiting for a slot "
+                        f"(max_waiting={self._max_waiting}); retry later or raise "
+                        "EngineConfig(max_waiting=...)"
+                    )
+                self._cond.wait()
+                self._ensure_running()
+            self._waiting.append(handle)
+            self._stats.num_waiting = len(self._waiting)
+            self._cond.notify_all()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """End a request: a waiting one at once, a running one before the next round."""
+        with self._cond:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+                self._stats.num_waiting = len(self._waiting)
+                self._stats.num_cancelled += 1
+                self._stats.num_requests += 1
+                handle._deliver([], FINISH_CANCELLED)
+            else:
+                self._cancels.append(handle)
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the loop thread between rounds (directly when no loop runs) and return
+        its result (or raise its exception)."""
+        with self._cond:
+            if self._thread is None or threading.current_thread() is self._thread:
+                fn_now = True
+            else:
+                fn_now = False
+                result = _Result()
+                self._calls.append((fn, result))
+                self._cond.notify_all()
+        return fn() if fn_now else result.wait()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the running totals and the current load."""
+        with self._cond:
+            return self._stats.snapshot()
+
+    def close(self, *, cancel: bool = True) -> None:
+        """Stop the loop: cancel every request (or, without `cancel`, let the running and
+        waiting ones finish first), then join the thread. Later submissions raise
+        EngineClosedError."""
+        with self._cond:
+            self._closing = True
+            if cancel:
+                while self._waiting:
+                    handle = self._waiting.popleft()
+                    handle._deliver([], FINISH_CANCELLED)
+                self._cancels.extend(h for h in self._slots if h is not None)
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def step(self) -> bool:
+        """One pass of the loop in the calling thread (`threaded=False` only): whether there
+        was anything to do."""
+        assert not self._threaded, "a threaded scheduler runs its own loop"
+        with self._cond:
+            if not self._has_work():
+                return False
+        with torch.inference_mode():
+            self._iterate()
+        return True
+
+    @property
+    def slots(self) -> list[RequestHandle | None]:
+        """Which request owns each slot (loop thread, or `threaded=False`)."""
+        return list(self._slots)
+
+    def _ensure_running(self) -> None:
+        if self._closing:
+            raise EngineClosedError("the engine is closed; build a new one")
+        if self._thread is None and self._threaded:
+            self._thread = threading.Thread(target=self._loop, name="specrun-loop", daemon=True)
+            self._thread.start()
+
+    # The loop thread.
+
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while self._iterate():
+                    pass
+        except BaseException:
+            logger.exception("the decoding loop failed; every request in flight is cancelled")
+            self._fail_all()
+            raise
+
+    def _iterate(self) -> bool:
+        """One pass between rounds; False when the loop should end."""
+        with self._cond:
+            while not self._has_work():
+                if self._closing:
+                    return False
+                self._cond.wait()
+            calls, self._calls = self._calls, deque()
+            cancels, self._cancels = self._cancels, []
+            admitted = self._take_admissions()
+            has_waiting = bool(self._waiting)
+            self._cond.notify_all()  # room in the waiting queue
+        for fn, result in calls:
+            result.run(fn)
+        self._retire(cancels)
+        if admitted:
+            self._admit(admitted)
+        self._resize(shrink=not has_waiting)
+        self._launch_round()
+        self._read_reports()
+        return True
+
+    def _has_work(self) -> bool:
+        free = any(h is None for h in self._slots)
+        return bool(
+            self._calls
+            or self._cancels
+            or (self._waiting and free)
+            or self._num_live()
+            or len(self._reader)
+        )
+
+    def _num_live(self) -> int:
+        return sum(h is not None for h in self._slots)
+
+    def _take_admissions(self) -> list[tuple[int, RequestHandle]]:
+        """Waiting requests (FIFO) for the lowest free slots, within the prefill budget."""
+        free = [slot for slot, h in enumerate(self._slots) if h is None]
+        admitted: list[tuple[int, RequestHandle]] = []
+        num_tokens = 0
+        while self._waiting and len(admitted) < len(free):
+            length = len(self._waiting[0].prompt_token_ids)
+            if admitted and num_tokens + length > self._max_prefill_tokens:
+                break
+            num_tokens += length
+            admitted.append((free[len(admitted)], self._waiting.popleft()))
+        self._stats.num_waiting = len(self._waiting)
+        return admitted
+
+    def _retire(self, cancels: list[RequestHandle]) -> None:
+        """Free the slots of cancelled requests (marked done on the device) and end them."""
+        slots = []
+        for handle in cancels:
+            if handle.done:
+                continue
+            for slot, owner in enumerate(self._slots):
+                if owner is handle:
+                    self._slots[slot] = None
+                    slots.append(slot)
+            self._finish(handle, FINISH_CANCELLED)
+            self._stats.num_cancelled += 1
+        if slots:
+            self.decoder.release(self._bucket, slots)
+
+    def _admit(self, admitted: list[tuple[int, RequestHandle]]) -> None:
+        """Prefill the admitted requests into their slots and queue the prefill's report."""
+        idle = self._num_live() == 0
+        slots = [slot for slot, _ in admitted]
+        handles = [handle for _, handle in admitted]
+        for slot, handle in admitted:
+            self._slots[slot] = handle
+        self._mark_active()
+        bucket = self.decoder.config.bucket_for(max(slots) + 1)
+        prompts = [h.prompt_token_ids for h in handles]
+        params = [h.params for h in handles]
+        if idle and slots == list(range(len(slots))):
+            # Nothing runs: a batch prefill of the whole bucket (graph-captured on CUDA).
+            padding = bucket - len(slots)
+            prompts += [[0]] * padding
+            params += [_PADDING] * padding
+            run = functools.partial(self.decoder.prefill_batch, bucket, prompts, params)
+            self._reader.submit(run, tag=("prefill", handles))
+        else:
+            run = functools.partial(self.decoder.admit, bucket, slots, prompts, params)
+            self._reader.submit(run, tag=("prefill", handles))
+
+    def _resize(self, *, shrink: bool) -> None:
+        """Run the smallest bucket holding every live slot; with `shrink` (nobody waits),
+        move live slots down into a smaller bucket once they fit it."""
+        live = [slot for slot, h in enumerate(self._slots) if h is not None]
+        if not live:
+            return
+        config = self.decoder.config
+        fits = config.bucket_for(len(live))
+        if shrink and config.bucket_for(live[-1] + 1) > fits:
+            sources = [slot for slot in live if slot >= fits]
+            dests = [slot for slot in range(fits) if self._slots[slot] is None][: len(sources)]
+            self.decoder.move(self._bucket, sources, dests)
+            for source, dest in zip(sources, dests, strict=True):
+                self._slots[dest], self._slots[source] = self._slots[source], None
+            live = sorted(dests + [slot for slot in live if slot < fits])
+        self._bucket = config.bucket_for(live[-1] + 1)
+
+    def _launch_round(self) -> None:
+        bucket = self._bucket
+        owners = self._slots[:bucket]
+        params = [h.params for h in owners if h is not None]
+        if not params:
+            return
+        variant = self.decoder.variant_for(bucket, params)
+        if self.decoder.use_graphs and (bucket, variant) not in self.decoder.warmups:
+            self.decoder.prepare(bucket, variant=variant, prefill=False)
+            settle_heap()
+        run = self.decoder.round_runner(bucket, variant=variant)
+        self._reader.submit(run, tag=("round", list(owners), f"{bucket}{variant.tag}"))
+
+    def _read_reports(self) -> None:
+        lag = host_lag(self.decoder.device)
+        while len(self._reader) > lag or (len(self._reader) and not self._num_live()):
+            rows, seconds, tag = self._reader.read()
+            if tag[0] == "prefill":
+                self._on_prefill(rows, tag[1], seconds)
+            else:
+                self._on_round(rows, tag[1], tag[2], seconds)
+        if not self._num_live() and not len(self._reader):
+            self._mark_idle()
+
+    def _on_prefill(self, rows: list[list[int]], handles: list[RequestHandle], seconds: float):
+        with self._cond:
+            self._stats.prefill_seconds += seconds
+        for row, handle in zip(rows, handles, strict=False):
+            self._deliver(handle, row)
+
+    def _on_round(self, rows, owners, key: str, seconds: float) -> None:
+        histogram = [0] * (self.decoder.max_depth + 1)
+        for row, handle in zip(rows, owners, strict=True):
+            if handle is None or handle.done:
+                continue
+            num_accepted = row[ReportColumns.NUM_ACCEPTED]
+            handle._count_round(num_accepted)
+            histogram[num_accepted] += 1
+            self._deliver(handle, row)
+        with self._cond:
+            self._stats.add_round(key, seconds, histogram)
+
+    def _deliver(self, handle: RequestHandle, row: list[int]) -> None:
+        tokens = row_tokens(row)
+        with self._cond:
+            self._stats.num_generated_tokens += len(tokens)
+        if row[ReportColumns.DONE]:
+            for slot, owner in enumerate(self._slots):
+                if owner is handle:
+                    self._slots[slot] = None
+            self._finish(handle, row_finish(row), tokens)
+        elif tokens:
+            handle._deliver(tokens)
+
+    def _finish(self, handle: RequestHandle, reason: str, tokens: list[int] = ()) -> None:
+        handle._deliver(list(tokens), reason)
+        with self._cond:
+            self._stats.num_requests += 1
+            self._stats.num_running = self._num_live()
+
+    def _mark_active(self) -> None:
+        if self._active_since is None:
+            self._active_since = time.perf_counter()
+        with self._cond:
+            self._stats.num_running = self._num_live()
+
+    def _mark_idle(self) -> None:
+        if self._active_since is not None:
+            seconds = time.perf_counter() - self._active_since
+            self._active_since = None
+            with self._cond:
+                self._stats.decode_seconds += seconds
+
+    def _fail_all(self) -> None:
+        with self._cond:
+            self._closing = True
+            handles = [*self._waiting, *(h for h in self._slots if h is not None)]
+            self._waiting.clear()
+            for fn_result in self._calls:
+                fn_result[1].fail(EngineClosedError("the decoding loop failed"))
+            self._cond.notify_all()
+        for handle in handles:
+            handle._deliver([], FINISH_CANCELLED)
+
+
+class _Result:
+    """The outcome of a call run on the loop thread, waited for by its caller."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # handed to the caller's thread
+            self._error = e
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self) -> Any:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value

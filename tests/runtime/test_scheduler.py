@@ -1,0 +1,160 @@
+"""Continuous batching through the scheduler, driven pass by pass: requests arriving at random
+rounds with random prompts, parameters, stop ids and cancellations, across bucket moves up and
+down, decode exactly what each decodes alone with the reference decoder (greedy, and seeded
+sampling with top-k trees); cancelled requests keep a prefix of it; no slot is leaked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specrun.runtime.config import EngineConfig, SamplingParams
+from specrun.runtime.decoder import Decoder
+from specrun.runtime.handle import FINISH_CANCELLED, EngineOverloadedError
+from specrun.runtime.reference import reference_generate
+from specrun.runtime.scheduler import Scheduler
+from specrun.runtime.tree import TreeShape
+from tiny_models import TargetAsDraft, random_head, random_llama, tiny_config
+
+# Depths differ per bucket, so slots moving between buckets carry more pending pairs than
+# the shallower round makes.
+TREES = {1: TreeShape(3, 2, 6), 2: TreeShape(2, 3, 5), 4: TreeShape(1, 2, 3)}
+CONFIG = EngineConfig(device="cpu", buckets=(1, 2, 4), trees=TREES, max_seq_len=64, compile=False)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_llama(tiny_config(), dtype=torch.float64)
+    return {
+        "plain": (target, None),
+        "perfect": (target, TargetAsDraft(target)),
+        "eagle3": (target, random_head("eagle3", target)),
+    }
+
+
+def _scheduler(target, head, **options) -> Scheduler:
+    decoder = Decoder(target, head, CONFIG)
+    fields = dict(tokenizer=None, max_waiting=64, max_prefill_tokens=12, threaded=False)
+    return Scheduler(decoder, **(fields | options))
+
+
+def _params(draw) -> SamplingParams:
+    max_new = draw(st.integers(1, 12))
+    stop = tuple(draw(st.lists(st.integers(1, 96), max_size=1)))
+    kind = draw(st.sampled_from(["greedy", "sample", "top_p", "top_k"]))
+    if kind == "greedy":
+        return SamplingParams(max_new_tokens=max_new, stop_token_ids=stop)
+    return SamplingParams(
+        max_new_tokens=max_new,
+        stop_token_ids=stop,
+        temperature=draw(st.sampled_from([0.7, 1.0, 1.3])),
+        top_p=0.9 if kind == "top_p" else 1.0,
+        top_k=5 if kind == "top_k" else 0,
+        seed=draw(st.integers(0, 2**64 - 1)),
+    )
+
+
+@st.composite
+def workloads(draw):
+    """Requests: (prompt, params, arrival round, cancel round or None)."""
+    requests = []
+    for _ in range(draw(st.integers(1, 7))):
+        prompt = draw(st.lists(st.integers(1, 96), min_size=1, max_size=9))
+        arrival = draw(st.integers(0, 8))
+        cancel = draw(st.one_of(st.none(), st.integers(arrival, arrival + 6)))
+        cancel = cancel if draw(st.integers(0, 4)) == 0 else None
+        requests.append((prompt, _params(draw), arrival, cancel))
+    return requests
+
+
+def _run(scheduler: Scheduler, requests) -> list:
+    handles = [None] * len(requests)
+    for round_index in range(400):
+        for index, (prompt, params, arrival, cancel) in enumerate(requests):
+            if arrival == round_index:
+                handles[index] = scheduler.submit(prompt, params)
+            if cancel == round_index and handles[index] is not None:
+                handles[index].cancel()
+        busy = scheduler.step()
+        if not busy and all(h is not None and h.done for h in handles):
+            return handles
+    raise AssertionError("the scheduler did not finish the requests in 400 passes")
+
+
+@pytest.mark.parametrize("kind", ["perfect", "eagle3", "plain"])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(requests=workloads())
+def test_requests_decode_what_each_decodes_alone(models, kind, requests):
+    target, head = models[kind]
+    scheduler = _scheduler(target, head)
+    with torch.no_grad():
+        handles = _run(scheduler, requests)
+        for handle, (prompt, params, _, cancel) in zip(handles, requests, strict=True):
+            [want] = reference_generate(target, [prompt], params)
+            got = handle.result(timeout=0)
+            if got.finish_reason == FINISH_CANCELLED:
+                assert cancel is not None
+                assert got.token_ids == want.token_ids[: len(got.token_ids)]
+            else:
+                assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    assert scheduler.slots == [None] * 4
+    assert bool(scheduler.decoder.state(4).done.all())
+    stats = scheduler.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_requests == len(requests)
+
+
+def test_a_batch_grows_and_shrinks_across_buckets(models):
+    """Four requests arrive together and finish at different rounds: the batch runs bucket
+    4, then moves its live slots down into buckets 2 and 1."""
+    target, head = models["perfect"]
+    scheduler = _scheduler(target, head, max_prefill_tokens=100)
+    lengths = [2, 30, 9, 20]
+    prompts = [[1 + i, 2 + i] for i in range(4)]
+    requests = [
+        (prompt, SamplingParams(max_new_tokens=n), 0, None)
+        for prompt, n in zip(prompts, lengths, strict=True)
+    ]
+    with torch.no_grad():
+        handles = _run(scheduler, requests)
+        for handle, (prompt, params, _, _) in zip(handles, requests, strict=True):
+            [want] = reference_generate(target, [prompt], params)
+            assert handle.result(timeout=0).token_ids == want.token_ids
+    rounds = scheduler.stats().rounds_by_bucket
+    assert set(rounds) == {"1", "2", "4"}, rounds
+
+
+def test_a_full_waiting_queue_refuses_and_later_requests_still_decode(models):
+    target, head = models["perfect"]
+    scheduler = _scheduler(target, head, max_waiting=2)
+    params = SamplingParams(max_new_tokens=3)
+    first = [scheduler.submit([5, 6], params) for _ in range(2)]
+    with pytest.raises(EngineOverloadedError, match="max_waiting=2"):
+        scheduler.submit([7], params)
+    assert scheduler.stats().num_rejected == 1
+    with torch.no_grad():
+        while scheduler.step():
+            pass
+        later = scheduler.submit([7], params)
+        while scheduler.step():
+            pass
+        [want] = reference_generate(target, [[5, 6]], params)
+        assert [h.result(timeout=0).token_ids for h in first] == [want.token_ids] * 2
+        assert (
+            later.result(timeout=0).token_ids
+            == reference_generate(target, [[7]], params)[0].token_ids
+        )
+
+
+def test_a_waiting_request_cancelled_never_runs(models):
+    target, head = models["plain"]
+    scheduler = _scheduler(target, head)
+    handle = scheduler.submit([3, 4], SamplingParams(max_new_tokens=4))
+    handle.cancel()
+    assert handle.done and handle.result(timeout=0).finish_reason == FINISH_CANCELLED
+    assert not scheduler.step()
+    assert handle.result(timeout=0).token_ids == []
