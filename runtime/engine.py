@@ -151,8 +151,16 @@ class Engine:
 
         listener: called on the loop thread with each Delta instead of queueing it in the
             handle; it must return at once (AsyncEngine hands deltas to its event loop)."""
-        [ids], [params] = self._requests([prompt], params)
+        ids, params = self.encode_request(prompt, params)
         return self._scheduler.submit(ids, params, listener=listener)
+
+    def encode_request(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> tuple[list[int], SamplingParams]:
+        """One request's token ids and parameters, validated as `submit` does (ValueError /
+        TypeError saying what to change)."""
+        [ids], [params] = self._requests([prompt], params)
+        return ids, params
 
     def generate(
         self,

@@ -9,6 +9,7 @@ loop calls (runtime/async_engine.py hands the steps to the event loop).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from ..models.tokenizer import Tokenizer
 from .config import SamplingParams
 from .stats import RequestStats
+
+logger = logging.getLogger(__name__)
 
 FINISH_CANCELLED = "cancelled"
 
@@ -153,7 +156,13 @@ class RequestHandle:
             self.finish_reason = finish_reason
             self._seconds = now - self.submitted
             self._finished.set()
-        self._listener(Delta(token_ids, finish_reason))
+        try:
+            self._listener(Delta(token_ids, finish_reason))
+        except Exception:
+            # A listener's failure ends its own request, never the loop or other requests.
+            logger.exception("request %d: its listener failed; cancelling it", self.request_id)
+            if finish_reason is None:
+                self._cancel(self)
 
     def _count_round(self, num_accepted: int) -> None:
         self.stats = RequestStats(self.stats.num_rounds + 1, self.stats.num_accepted + num_accepted)

@@ -155,7 +155,10 @@ class Scheduler:
     def stats(self) -> EngineStats:
         """A snapshot of the running totals and the current load."""
         with self._cond:
-            return self._stats.snapshot()
+            snapshot = self._stats.snapshot()
+            if self._active_since is not None:
+                snapshot.decode_seconds += time.perf_counter() - self._active_since
+            return snapshot
 
     def close(self, *, cancel: bool = True) -> None:
         """Stop the loop: cancel every request (or, without `cancel`, let the running and
@@ -372,17 +375,16 @@ class Scheduler:
             self._stats.num_running = self._num_live()
 
     def _mark_active(self) -> None:
-        if self._active_since is None:
-            self._active_since = time.perf_counter()
         with self._cond:
+            if self._active_since is None:
+                self._active_since = time.perf_counter()
             self._stats.num_running = self._num_live()
 
     def _mark_idle(self) -> None:
-        if self._active_since is not None:
-            seconds = time.perf_counter() - self._active_since
-            self._active_since = None
-            with self._cond:
-                self._stats.decode_seconds += seconds
+        with self._cond:
+            if self._active_since is not None:
+                self._stats.decode_seconds += time.perf_counter() - self._active_since
+                self._active_since = None
 
     def _fail_all(self) -> None:
         with self._cond:
