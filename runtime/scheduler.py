@@ -220,12 +220,13 @@ class Scheduler:
                 self._cond.wait()
             calls, self._calls = self._calls, deque()
             cancels, self._cancels = self._cancels, []
-            admitted = self._take_admissions()
-            has_waiting = bool(self._waiting)
-            self._cond.notify_all()  # room in the waiting queue
         for fn, result in calls:
             result.run(fn)
         self._retire(cancels)
+        with self._cond:
+            admitted = self._take_admissions()
+            has_waiting = bool(self._waiting)
+            self._cond.notify_all()  # room in the waiting queue
         if admitted:
             self._admit(admitted)
         self._resize(shrink=not has_waiting)
@@ -305,10 +306,11 @@ class Scheduler:
             return
         config = self.decoder.config
         fits = config.bucket_for(len(live))
-        if shrink and config.bucket_for(live[-1] + 1) > fits:
+        span = config.bucket_for(live[-1] + 1)
+        if shrink and span > fits:
             sources = [slot for slot in live if slot >= fits]
             dests = [slot for slot in range(fits) if self._slots[slot] is None][: len(sources)]
-            self.decoder.move(self._bucket, sources, dests)
+            self.decoder.move(span, sources, dests)
             for source, dest in zip(sources, dests, strict=True):
                 self._slots[dest], self._slots[source] = self._slots[source], None
             live = sorted(dests + [slot for slot in live if slot < fits])

@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "bench",
     "export-onnx",
     "compile",
+    "serve",
 )
 
 

@@ -85,7 +85,7 @@ def _run(scheduler: Scheduler, requests) -> list:
 
 @pytest.mark.parametrize("kind", ["perfect", "eagle3", "plain"])
 @settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(requests=workloads())
 def test_requests_decode_what_each_decodes_alone(models, kind, requests):
@@ -158,3 +158,30 @@ def test_a_waiting_request_cancelled_never_runs(models):
     assert handle.done and handle.result(timeout=0).finish_reason == FINISH_CANCELLED
     assert not scheduler.step()
     assert handle.result(timeout=0).token_ids == []
+
+
+def test_a_cancel_and_an_admission_in_one_pass_reuse_the_slot_and_shrink(models):
+    """A runs alone in slot 0 of bucket 1; B waits while A is cancelled: B is admitted into
+    the freed slot; then C arrives while B runs and A' is cancelled, and the batch shrinks
+    back to bucket 1 with C moved down."""
+    target, head = models["perfect"]
+    scheduler = _scheduler(target, head)
+    params = SamplingParams(max_new_tokens=20)
+    with torch.no_grad():
+        first = scheduler.submit([1, 2], params)
+        scheduler.step()
+        second = scheduler.submit([3, 4], params)
+        first.cancel()
+        scheduler.step()
+        assert scheduler.slots == [second, None, None, None]
+        third = scheduler.submit([5, 6], params)
+        scheduler.step()
+        assert scheduler.slots[:2] == [second, third]
+        second.cancel()
+        scheduler.step()
+        assert scheduler.slots == [third, None, None, None]
+        while scheduler.step():
+            pass
+        [want] = reference_generate(target, [[5, 6]], params)
+        assert third.result(timeout=0).token_ids == want.token_ids
+        assert first.result(timeout=0).finish_reason == FINISH_CANCELLED

@@ -1,0 +1,138 @@
+"""`specrun serve` through the real `openai` client and raw HTTP: completions and chat
+completions, streamed and not, stop strings cut exactly, seeds reproduce, bad requests get a
+400 naming the field, a client that disconnects mid-stream frees its request."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+PROMPT = "The capital of France is"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_completions_streamed_and_not_agree(server, client):
+    whole = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(chunks)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    [choice] = whole.choices
+    assert text == choice.text and choice.text.strip()
+    assert choice.finish_reason == "length"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert whole.usage.completion_tokens == 12 == chunks[-1].usage.completion_tokens
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0
+
+
+def test_chat_completions_streamed_and_not(client):
+    whole = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=30, temperature=0
+    )
+    assert "Paris" in whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=30, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == whole.choices[0].message.content
+
+
+def test_stop_strings_cut_exactly_streamed_and_not(client):
+    full = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    want = text[: text.index(stop)]
+    cut = client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "@@@"]
+    )
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (want, "stop")
+    stream = client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeds_reproduce_and_sampling_varies(client):
+    def sample(seed):
+        return (
+            client.completions.create(
+                model="smollm2", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .text
+        )
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len({first, sample(1), sample(2), sample(3)}) > 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10**6}, None),
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "top_k": 10**7}, None),
+        ({"prompt": "hi", "seed": -3}, "seed"),
+        ({"prompt": "hi", "stop": [""]}, "stop"),
+        ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_completion_requests_get_a_400_naming_the_field(server, body, param):
+    reply = httpx.post(f"{server.url}/v1/completions", json={"model": "smollm2", **body})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"].split(".")[0] == param, error
+
+
+def test_bad_chat_requests_and_malformed_json(server):
+    url = f"{server.url}/v1/chat/completions"
+    for body in ({"messages": []}, {"messages": [{"role": "user"}]},
+                 {"messages": [{"role": "wizard", "content": "hi"}]}):  # fmt: skip
+        reply = httpx.post(url, json={"model": "smollm2", **body})
+        assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("messages")
+    reply = httpx.post(url, content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["message"]
+    reply = httpx.post(url, json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
+    assert reply.status_code == 404 and reply.json()["error"]["param"] == "model"
+    server.wait_idle()
+
+
+def test_a_client_disconnecting_mid_stream_frees_its_request(server):
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                assert json.loads(line[6:])["choices"]
+                break
+        assert server.metric("specrun_requests_running") == 1
+    server.wait_idle(timeout=1.0)
+    assert server.metric("specrun_requests_cancelled_total") >= 1

@@ -1,0 +1,94 @@
+"""`specrun serve`: the OpenAI-compatible HTTP server (server/app.py) on uvicorn.
+
+Defaults: the embedded SmolLM2-135M-Instruct with its shipped head, on the GPU when there is
+one, on 127.0.0.1:8000. On CUDA every bucket's rounds are compiled and captured before the
+server accepts requests (or loaded from `--artifacts`, the output of `specrun compile` for the
+same options), so no request waits for a compilation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..runtime.async_engine import AsyncEngine
+from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
+from ..runtime.tree import TreeShape
+from .generate import draft_dir
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve the OpenAI completions and chat API over HTTP (default model: "
+        "SmolLM2-135M-Instruct with its shipped head)",
+    )  # fmt: skip
+    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
+    parser.add_argument(
+        "--draft", default=None,
+        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
+    )  # fmt: skip
+    parser.add_argument("--no-draft", action="store_true", help="decode without speculation")
+    parser.add_argument(
+        "--artifacts", type=Path, default=None,
+        help="start from `specrun compile` output built for the same options",
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send")
+    parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
+    parser.add_argument(
+        "--tree", type=int, nargs=3, default=None, metavar=("D", "K", "N"),
+        help="one draft tree for every bucket (default: the per-bucket table with the head's "
+        "trees.json over it)",
+    )  # fmt: skip
+    parser.add_argument("--stochastic", action="store_true", help="stochastic trees")
+    parser.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len)
+    parser.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting)
+    parser.add_argument("--max-prefill-tokens", type=int, default=EngineConfig.max_prefill_tokens)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="prepare graphs on first use instead"
+    )
+    parser.set_defaults(func=run)
+
+
+def engine_config(args: argparse.Namespace, draft: str | Path | None) -> EngineConfig:
+    trees = {1: TreeShape(*args.tree)} if args.tree else default_trees(draft)
+    if args.stochastic:
+        trees = stochastic_trees(trees)
+    return EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        buckets=tuple(args.buckets),
+        trees=trees,
+        max_seq_len=args.max_seq_len,
+        max_waiting=args.max_waiting,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..server import build_app
+
+    draft = draft_dir(args)
+    config = engine_config(args, draft)
+    engine = AsyncEngine.from_pretrained(
+        args.model, draft=draft or False, config=config, artifacts=args.artifacts
+    )
+    if not args.no_warmup and config.resolved_device().type == "cuda":
+        engine.engine.warmup(filtered=True, progress=True)
+    name = args.served_model_name or (Path(args.model).name if args.model else EMBEDDED_MODEL_NAME)
+    app = build_app(engine, model_name=name)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0
