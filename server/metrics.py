@@ -68,6 +68,10 @@ class _EngineCollector(Collector):
             ("specrun_requests_cancelled", "Requests cancelled.", stats.num_cancelled),
             ("specrun_requests_rejected", "Requests refused: waiting queue full.",
              stats.num_rejected),
+            ("specrun_active_seconds", "Wall seconds with some request admitted or running.",
+             stats.decode_seconds),
+            ("specrun_device_busy_seconds", "Seconds of prefills and rounds (GPU time on CUDA).",
+             stats.prefill_seconds + stats.round_seconds),
         ):  # fmt: skip
             yield CounterMetricFamily(name, text, value=value)
         rounds = CounterMetricFamily(

@@ -10,6 +10,10 @@ ahead-of-time compile artifacts (tools/cold_start.py).
 shapes (Llama-3.1-8B by default) and an EAGLE-3-shaped head (random bf16 weights), against the
 memory floor, with the kernels a round launches.
 
+`specrun bench serve`: a load generator against a running `specrun serve` (HTTP; any device):
+request throughput, output tokens/s, time to first token and inter-token latency percentiles
+at Poisson arrival rates or fixed concurrencies (tools/serve_bench.py).
+
 `specrun bench hf`: Hugging Face transformers `generate` on a real model at batch 1, the
 comparison point for `specrun eval`'s speculative and plain numbers on the same prompts.
 """
@@ -26,12 +30,12 @@ import torch
 
 from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig, stochastic_trees
 from ..runtime.tree import TreeShape
-from . import cold_start
+from . import cold_start, serve_bench
 from .decode_bench import SHAPES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="performance benchmarks (needs a CUDA GPU)")
+    parser = subparsers.add_parser("bench", help="performance benchmarks (most need a CUDA GPU)")
     subjects = parser.add_subparsers(dest="subject", required=True)
     kernels = subjects.add_parser(
         "kernels", help="rt::tree_attention vs SDPA with a dense mask vs the memory floor"
@@ -89,6 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hf.add_argument("--json", default=None, help="also write the JSON line here")
     hf.set_defaults(func=run_hf)
     cold_start.register(subjects)
+    serve_bench.register(subjects)
 
 
 def _environment() -> dict:
