@@ -55,6 +55,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-warmup", action="store_true", help="prepare graphs on first use instead"
     )
+    parser.add_argument(
+        "--skip-filtered", action="store_true",
+        help="leave the top-k/top-p round variants out of the warm-up (compiled when a "
+        "request first needs one, stalling the others meanwhile)",
+    )  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -84,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, draft=draft or False, config=config, artifacts=args.artifacts
     )
     if not args.no_warmup and config.resolved_device().type == "cuda":
-        engine.engine.warmup(filtered=True, progress=True)
+        engine.engine.warmup(filtered=not args.skip_filtered, progress=True)
     name = args.served_model_name or (Path(args.model).name if args.model else EMBEDDED_MODEL_NAME)
     app = build_app(engine, model_name=name)
     try:
