@@ -197,6 +197,9 @@ class EngineConfig:
         EngineOverloadedError (`generate` and `stream` wait for room).
     max_prefill_tokens: prompt tokens admitted between two rounds (the first waiting request
         always is): bounds how long admissions delay the running requests' next round.
+    continuous_batching: admit waiting requests into free slots while others decode (False:
+        only when none runs, i.e. static batches that end with their slowest request; for
+        comparison).
     """
 
     device: str = "auto"
@@ -213,12 +216,13 @@ class EngineConfig:
     queue: bool = True
     max_waiting: int = 1024
     max_prefill_tokens: int = 4096
+    continuous_batching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("device", "dtype"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a string, got {getattr(self, name)!r}")
-        for name in ("chat_template", "queue"):
+        for name in ("chat_template", "queue", "continuous_batching"):
             _check_bool(name, getattr(self, name))
         for name in ("compile", "cuda_graphs"):
             _check_bool(name, getattr(self, name), optional=True)

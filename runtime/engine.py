@@ -58,6 +58,7 @@ class Engine:
             tokenizer=tokenizer,
             max_waiting=config.max_waiting,
             max_prefill_tokens=config.max_prefill_tokens,
+            continuous=config.continuous_batching,
         )
 
     @classmethod

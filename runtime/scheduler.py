@@ -8,7 +8,8 @@ Requests are submitted from any thread into a bounded FIFO waiting queue (beyond
 - admits waiting requests into the lowest free slots, up to `max_prefill_tokens` prompt
   tokens per round (at least one request): into an idle decoder as one batch prefill of the
   bucket (its prefill graph on CUDA), into a running one with `Decoder.admit` (the others
-  keep their KV caches and positions);
+  keep their KV caches and positions); with `continuous=False` only into an idle decoder
+  (static batches, the baseline continuous batching is measured against);
 - runs the smallest bucket that holds the highest live slot: a batch grows into a larger
   bucket without copying (every bucket views the first slots of one store) and, when the live
   requests fit a smaller bucket and nobody waits, its live slots above that bucket move down;
@@ -58,6 +59,8 @@ class Scheduler:
         tokenizer: given to handles for their text (None: token ids only).
         max_waiting: requests that may wait for a slot; more fail with EngineOverloadedError.
         max_prefill_tokens: prompt tokens admitted per round (the first request always is).
+        continuous: admit while requests decode (False: only into an idle decoder, so each
+            batch runs until its last request ends: static batching, for comparison).
         threaded: run the loop on its own thread (False: `step` runs one pass).
     """
 
@@ -68,6 +71,7 @@ class Scheduler:
         tokenizer: Tokenizer | None,
         max_waiting: int,
         max_prefill_tokens: int,
+        continuous: bool = True,
         threaded: bool = True,
     ) -> None:
         self.decoder = decoder
@@ -75,6 +79,7 @@ class Scheduler:
         self._tokenizer = tokenizer
         self._max_waiting = max_waiting
         self._max_prefill_tokens = max_prefill_tokens
+        self._continuous = continuous
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
@@ -235,7 +240,7 @@ class Scheduler:
         return True
 
     def _has_work(self) -> bool:
-        free = any(h is None for h in self._slots)
+        free = self._can_admit() and any(h is None for h in self._slots)
         return bool(
             self._calls
             or self._cancels
@@ -247,9 +252,14 @@ class Scheduler:
     def _num_live(self) -> int:
         return sum(h is not None for h in self._slots)
 
+    def _can_admit(self) -> bool:
+        return self._continuous or not (self._num_live() or len(self._reader))
+
     def _take_admissions(self) -> list[tuple[int, RequestHandle]]:
         """Waiting requests (FIFO) for the lowest free slots, within the prefill budget."""
         free = [slot for slot, h in enumerate(self._slots) if h is None]
+        if not self._can_admit():
+            free = []
         admitted: list[tuple[int, RequestHandle]] = []
         num_tokens = 0
         while self._waiting and len(admitted) < len(free):

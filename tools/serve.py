@@ -15,6 +15,7 @@ from pathlib import Path
 from ..runtime.async_engine import AsyncEngine
 from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
 from ..runtime.tree import TreeShape
+from .eval import parse_tree_shape
 from .generate import draft_dir
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="one draft tree for every bucket (default: the per-bucket table with the head's "
         "trees.json over it)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tree-at", type=_bucket_tree, action="append", default=[], metavar="BUCKET=D,K,N",
+        help="the tree of the buckets from BUCKET up (repeatable; BUCKET=none: plain "
+        "decoding there), replacing those of --tree or the default table",
+    )  # fmt: skip
     parser.add_argument("--stochastic", action="store_true", help="stochastic trees")
     parser.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len)
     parser.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting)
     parser.add_argument("--max-prefill-tokens", type=int, default=EngineConfig.max_prefill_tokens)
+    parser.add_argument(
+        "--static-batches", action="store_true",
+        help="admit requests only when none decodes (static batching, for comparison)",
+    )  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument(
@@ -60,11 +70,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="leave the top-k/top-p round variants out of the warm-up (compiled when a "
         "request first needs one, stalling the others meanwhile)",
     )  # fmt: skip
+    parser.add_argument(
+        "--warmup-prompt-tokens", type=int, default=512, metavar="TOKENS",
+        help="capture the prefill graphs of prompts up to this long during the warm-up "
+        "(longer ones are captured on first use)",
+    )  # fmt: skip
     parser.set_defaults(func=run)
+
+
+def _bucket_tree(text: str) -> tuple[int, TreeShape | None]:
+    """'BUCKET=D,K,N' or 'BUCKET=none' -> (bucket, tree or None)."""
+    bucket, _, shape = text.partition("=")
+    if not bucket.strip().isdigit() or not shape:
+        raise argparse.ArgumentTypeError(f"expected BUCKET=D,K,N or BUCKET=none, not {text!r}")
+    return int(bucket), None if shape.strip().lower() == "none" else parse_tree_shape(shape)
 
 
 def engine_config(args: argparse.Namespace, draft: str | Path | None) -> EngineConfig:
     trees = {1: TreeShape(*args.tree)} if args.tree else default_trees(draft)
+    given = dict(args.tree_at)
+    trees = {k: tree for k, tree in trees.items() if not any(g < k for g in given)} | given
     if args.stochastic:
         trees = stochastic_trees(trees)
     return EngineConfig(
@@ -75,6 +100,7 @@ def engine_config(args: argparse.Namespace, draft: str | Path | None) -> EngineC
         max_seq_len=args.max_seq_len,
         max_waiting=args.max_waiting,
         max_prefill_tokens=args.max_prefill_tokens,
+        continuous_batching=not args.static_batches,
     )
 
 
@@ -89,7 +115,11 @@ def run(args: argparse.Namespace) -> int:
         args.model, draft=draft or False, config=config, artifacts=args.artifacts
     )
     if not args.no_warmup and config.resolved_device().type == "cuda":
-        engine.engine.warmup(filtered=not args.skip_filtered, progress=True)
+        engine.engine.warmup(
+            filtered=not args.skip_filtered,
+            progress=True,
+            prompt_lengths=range(1, args.warmup_prompt_tokens + 1),
+        )
     name = args.served_model_name or (Path(args.model).name if args.model else EMBEDDED_MODEL_NAME)
     app = build_app(engine, model_name=name)
     try:

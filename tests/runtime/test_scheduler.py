@@ -185,3 +185,24 @@ def test_a_cancel_and_an_admission_in_one_pass_reuse_the_slot_and_shrink(models)
         [want] = reference_generate(target, [[5, 6]], params)
         assert third.result(timeout=0).token_ids == want.token_ids
         assert first.result(timeout=0).finish_reason == FINISH_CANCELLED
+
+
+def test_static_batches_admit_only_into_an_idle_decoder(models):
+    """Without continuous batching a request arriving while a batch runs waits until the
+    batch's last request ends, and then decodes what it decodes alone."""
+    target, head = models["perfect"]
+    scheduler = _scheduler(target, head, continuous=False)
+    short, long = SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=20)
+    with torch.no_grad():
+        first = [scheduler.submit([1, 2], short), scheduler.submit([3, 4], long)]
+        scheduler.step()
+        late = scheduler.submit([5, 6], short)
+        while not first[1].done:
+            assert late in scheduler._waiting and scheduler.step()
+        while scheduler.step():
+            pass
+        for handle, prompt, params in zip(
+            [*first, late], [[1, 2], [3, 4], [5, 6]], [short, long, short], strict=True
+        ):
+            [want] = reference_generate(target, [prompt], params)
+            assert handle.result(timeout=0).token_ids == want.token_ids

@@ -1,0 +1,38 @@
+"""`specrun serve` options into the engine config: per-bucket trees and static batching."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specrun.runtime.tree import TreeShape
+from specrun.tools import serve
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_tree_at_replaces_the_table_from_its_bucket_up():
+    config = serve.engine_config(
+        _args("--tree", "5", "4", "8", "--tree-at", "4=3,2,4", "--tree-at", "16=none"),
+        None,
+    )
+    assert config.tree_for(1) == config.tree_for(2) == TreeShape(5, 4, 8)
+    assert config.tree_for(4) == config.tree_for(8) == TreeShape(3, 2, 4)
+    assert config.tree_for(16) is config.tree_for(64) is None
+    assert config.continuous_batching
+
+
+def test_static_batches():
+    assert not serve.engine_config(_args("--static-batches"), None).continuous_batching
+
+
+@pytest.mark.parametrize("bad", ["16", "x=none", "4=3,2", "4=0,1,1"])
+def test_a_bad_tree_at_is_refused(bad, capsys):
+    with pytest.raises(SystemExit):
+        _args("--tree-at", bad)
+    assert "--tree-at" in capsys.readouterr().err
