@@ -44,7 +44,16 @@ from .reports import ReportReader, SlotTracker, Step, host_lag
 from .requests import check_requests
 from .round import SpecState, decode_round, speculative_round
 from .sampling import needs_filtering
-from .slots import admit, copy_slots, move, release, restore_rows, save_rows, slot_view
+from .slots import (
+    admit,
+    copy_rows,
+    copy_slots,
+    move,
+    release,
+    restore_rows,
+    save_rows,
+    slot_view,
+)
 from .stats import DecodeStats
 from .tree import StaticTree, TreeShape
 
@@ -134,8 +143,12 @@ class Decoder:
         self.max_depth = max(map(self.depth_for, config.buckets))
         self._store: SpecState | None = None
         self._states: dict[int, SpecState] = {}
-        # Static prompt buffers (tokens [B, T], lengths [B]) of each captured prefill graph.
-        self._prompt_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Static prompt buffers (tokens [B, T], lengths [B]) of each captured prefill graph,
+        # by its key: ("prefill", bucket, T) for a batch, ("admit", batch, T) for admissions.
+        self._prompt_buffers: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per admission batch size (a bucket), the state admissions are prefilled in with CUDA
+        # graphs before their rows are copied into the running bucket's free slots.
+        self._staging: dict[int, SpecState] = {}
         self.warmups: dict[tuple[int, RoundVariant], BucketWarmup] = {}
 
     def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
@@ -193,7 +206,8 @@ class Decoder:
         `buckets`, a subset of the config's), largest first: `variants(bucket,
         filtered=filtered)`; the top-k/top-p ones are otherwise prepared when first needed.
         With CUDA graphs, `prompt_lengths` (tokens) also captures the prefill graphs prompts
-        that long need in those buckets (otherwise captured on first use). Idempotent."""
+        that long need in those buckets, for batches and for admissions of up to a bucket's
+        size of requests into running ones (otherwise captured on first use). Idempotent."""
         chosen = self.config.buckets if buckets is None else sorted(buckets)
         keys = [
             (bucket, variant)
@@ -207,6 +221,7 @@ class Decoder:
             for bucket in reversed(chosen):
                 for num_tokens in sorted(set(prompt_lengths), reverse=True):
                     self._prefill_graph_key(self.state(bucket), num_tokens)
+                    self._prefill_graph_key(self._staging_for(bucket), num_tokens, kind="admit")
         if todo or prompt_lengths:
             settle_heap()
         return dict(self.warmups)
@@ -266,6 +281,7 @@ class Decoder:
         if self._runner is not None:
             self._runner.close()
         self._states.clear()
+        self._staging.clear()
         self._prompt_buffers.clear()
         self._store = None
         self.warmups.clear()
@@ -305,11 +321,11 @@ class Decoder:
             yield tracker.step(rows, stats, counts_round=True)
         stats.per_request.extend(tracker.request_stats())
 
-    def _prefill(self, state, prompts, params) -> torch.Tensor:
-        """Prefill a batch into its bucket's state; returns the report. With CUDA graphs a
-        prefill that fits `prefill_graph_tokens` replays the graph of its (bucket, padded
-        length)."""
-        key = self._prefill_graph_key(state, max(map(len, prompts)))
+    def _prefill(self, state, prompts, params, *, kind: str = "prefill") -> torch.Tensor:
+        """Prefill a batch into its bucket's state (or with `kind="admit"`, a staging state);
+        returns the report. With CUDA graphs a prefill that fits `prefill_graph_tokens`
+        replays the graph of its (kind, batch, padded length)."""
+        key = self._prefill_graph_key(state, max(map(len, prompts)), kind=kind)
         if key is None:
             return prefill(
                 self.target,
@@ -322,21 +338,23 @@ class Decoder:
                 draft_forward=self._prefill_draft,
             )
         reset_requests(state, params, self.eos_token_ids, vocab_size=self.target.config.vocab_size)
-        _, bucket, length = key
-        tokens, lengths = self._prompt_buffers[bucket, length]
-        host_tokens, host_lengths = padded_prompts(prompts, length=length, pinned=True)
+        tokens, lengths = self._prompt_buffers[key]
+        host_tokens, host_lengths = padded_prompts(prompts, length=key[2], pinned=True)
         tokens.copy_(host_tokens, non_blocking=True)
         lengths.copy_(host_lengths, non_blocking=True)
         return self._runner.replay(key)
 
-    def _prefill_graph_key(self, state: SpecState, num_tokens: int) -> tuple[str, int, int] | None:
+    def _prefill_graph_key(
+        self, state: SpecState, num_tokens: int, *, kind: str = "prefill"
+    ) -> tuple[str, int, int] | None:
         """The key of the prefill graph for prompts of at most `num_tokens` in the state's
-        bucket (captured now if it is new), or None when such a prefill runs without one."""
-        bucket = state.root.shape[0]
+        batch size (captured now if it is new), or None when such a prefill runs without
+        one."""
+        batch = state.root.shape[0]
         length = prefill_graph_length(num_tokens, max_seq_len=self.config.max_seq_len)
-        if self._runner is None or bucket * length > self.config.prefill_graph_tokens:
+        if self._runner is None or batch * length > self.config.prefill_graph_tokens:
             return None
-        key = ("prefill", bucket, length)
+        key = (kind, batch, length)
         if key not in self._runner:
             self._capture_prefill(key, state)
         return key
@@ -346,17 +364,18 @@ class Decoder:
 
     @torch.inference_mode()
     def _capture_prefill(self, key: tuple[str, int, int], state: SpecState) -> None:
-        """Capture the prefill forwards over static prompt buffers of the key's (bucket,
+        """Capture the prefill forwards over static prompt buffers of the key's (batch,
         length): full-length zero prompts during the warm-up (whose effects on the state the
-        next prefill resets)."""
-        _, bucket, length = key
-        tokens = torch.zeros(bucket, length, dtype=torch.int64, device=self.device)
-        lengths = torch.full((bucket,), length, dtype=torch.int64, device=self.device)
-        self._prompt_buffers[bucket, length] = tokens, lengths
+        next prefill resets). Admissions always prefill the draft too (with a head), as the
+        bucket they join may draft."""
+        kind, batch, length = key
+        tokens = torch.zeros(batch, length, dtype=torch.int64, device=self.device)
+        lengths = torch.full((batch,), length, dtype=torch.int64, device=self.device)
+        self._prompt_buffers[key] = tokens, lengths
         step = functools.partial(
             prefill_forwards,
             self.target,
-            self._head_for(bucket),
+            self.head if kind == "admit" else self._head_for(batch),
             state,
             tokens,
             lengths,
@@ -367,8 +386,16 @@ class Decoder:
 
     @property
     def prefill_graphs(self) -> list[tuple[int, int]]:
-        """The (bucket, padded prompt length) pairs whose prefill graphs are captured."""
-        return sorted(self._prompt_buffers)
+        """The (bucket, padded prompt length) pairs whose batch prefill graphs are captured."""
+        return sorted((batch, length) for kind, batch, length in self._prompt_buffers
+                      if kind == "prefill")  # fmt: skip
+
+    @property
+    def admission_graphs(self) -> list[tuple[int, int]]:
+        """The (admission batch, padded prompt length) pairs whose prefill graphs are
+        captured."""
+        return sorted((batch, length) for kind, batch, length in self._prompt_buffers
+                      if kind == "admit")  # fmt: skip
 
     def round_runner(
         self, bucket: int, *, variant: RoundVariant = RoundVariant()
@@ -458,8 +485,25 @@ class Decoder:
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
     ) -> torch.Tensor:
-        """Prefill new requests into free `slots` of the bucket's state (slots.admit, with the
-        compiled prefill forwards). Returns their prefill report [len(slots), 5] int64."""
+        """Prefill new requests into free `slots` of the bucket's state; the others keep
+        decoding state. With CUDA graphs the prompts are prefilled into the staging state of
+        the smallest bucket that holds them, replaying its admission graph for their padded
+        length, and their rows copied into the slots; otherwise, and for prompts too long for
+        a graph, slots.admit prefills a fresh staging state with the compiled forwards.
+        Returns their prefill report [len(slots), 5] int64."""
+        if self._runner is not None:
+            staging = self._staging_for(self.config.bucket_for(len(slots)))
+            key = self._prefill_graph_key(staging, max(map(len, prompts)), kind="admit")
+            if key is not None:
+                padding = staging.root.shape[0] - len(slots)
+                report = self._prefill(
+                    staging,
+                    [*prompts, *[[0]] * padding],
+                    [*params, *[_PADDING] * padding],
+                    kind="admit",
+                )
+                copy_rows(staging, self.state(bucket), slots, num_positions=key[2])
+                return report[: len(slots)]
         return admit(
             self.target,
             self.head,
@@ -479,6 +523,20 @@ class Decoder:
         included) and prefill it, replaying its prefill graph on CUDA when it fits. Returns
         the prefill report [bucket, 5] int64."""
         return self._prefill(self.state(bucket), prompts, params)
+
+    def _staging_for(self, batch: int) -> SpecState:
+        """The admission staging state of `batch` slots, holding the longest prompt an
+        admission graph of that batch takes (batch x length <= prefill_graph_tokens)."""
+        if batch not in self._staging:
+            capacity = self.config.prefill_graph_tokens // batch
+            self._staging[batch] = allocate_state(
+                self.target,
+                self.head,
+                batch_size=batch,
+                capacity=max(1, min(self.config.max_seq_len, capacity)),
+                depth=self.max_depth,
+            )
+        return self._staging[batch]
 
     def release(self, bucket: int, slots: Sequence[int]) -> None:
         """Mark slots of the bucket's state done (slots.release)."""

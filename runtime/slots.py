@@ -53,7 +53,6 @@ def admit(
     of the admitted slots, in `slots` order.
     """
     assert len(slots) == len(prompts) == len(params) > 0, (slots, len(prompts), len(params))
-    device = state.root.device
     num_columns = prefill_columns(prompts)
     staging = allocate_state(
         target,
@@ -72,28 +71,32 @@ def admit(
         target_forward=target_forward,
         draft_forward=draft_forward,
     )
-    index = slot_index(slots, device)
-    _copy_cache(staging.target, state.target, index)
-    if state.draft is not None:
-        _copy_cache(staging.draft, state.draft, index)
-        for name in ("tokens", "features", "num_valid"):
-            getattr(state.pending, name)[index] = getattr(staging.pending, name)
-    for name in ("root", "num_output", "max_new", "stop_mask", "done", "finish"):
-        getattr(state, name)[index] = getattr(staging, name)
-    for name in ("temperature", "top_k", "top_p", "seed"):
-        getattr(state.sampling, name)[index] = getattr(staging.sampling, name)
-    state.output[index] = 0
-    state.output[index, :num_columns] = staging.output
+    copy_rows(staging, state, slots, num_positions=num_columns)
     return report
 
 
-def _copy_cache(source: KVCache, dest: KVCache, index: torch.Tensor) -> None:
-    """The staging cache's positions (all of them: at most the padded prompt) into `index`'s
-    slots of `dest`; positions past each slot's length are never attended to."""
-    num_positions = source.k.shape[3]
-    dest.k[:, index, :, :num_positions] = source.k
-    dest.v[:, index, :, :num_positions] = source.v
-    dest.lengths[index] = source.lengths
+def copy_rows(
+    source: SpecState, dest: SpecState, slots: Sequence[int], *, num_positions: int
+) -> None:
+    """Rows 0..len(slots)-1 of every per-slot tensor of `source` (a staging state that was
+    just prefilled) into `slots` of `dest`: the first `num_positions` K/V positions and output
+    columns (at least the padded prompts; the rest of the output rows is zeroed), every other
+    tensor whole."""
+    index = slot_index(slots, dest.root.device)
+    num_rows = len(slots)
+    pairs = zip(
+        _per_slot_tensors(source, with_caches=True),
+        _per_slot_tensors(dest, with_caches=True),
+        strict=True,
+    )
+    for (tensor, dim), (into, _) in pairs:
+        rows = tensor.narrow(dim, 0, num_rows)
+        if tensor.dim() == 5:  # K/V [layers, slots, heads, positions, head_dim]
+            rows, into = rows[..., :num_positions, :], into[..., :num_positions, :]
+        elif tensor is source.output:
+            into.index_fill_(0, index, 0)
+            rows, into = rows[:, :num_positions], into[:, :num_positions]
+        into.index_copy_(dim, index, rows)
 
 
 def slot_index(slots: Sequence[int], device: torch.device) -> torch.Tensor:
