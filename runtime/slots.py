@@ -150,7 +150,9 @@ def release(state: SpecState, slots: Sequence[int]) -> None:
     """Mark `slots` done (a cancelled request's, or slots vacated by a move): the rounds
     already queued finish their work on them, later rounds skip them."""
     if slots:
-        state.done[slot_index(slots, state.root.device)] = True
+        # index_fill_, not item assignment: that copies the value from pageable host memory,
+        # a synchronising copy.
+        state.done.index_fill_(0, slot_index(slots, state.root.device), True)
 
 
 def move(state: SpecState, sources: Sequence[int], dests: Sequence[int]) -> None:

