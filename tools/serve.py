@@ -9,11 +9,13 @@ same options), so no request waits for a compilation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 
 from ..runtime.async_engine import AsyncEngine
 from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
+from ..runtime.engine import Engine
 from ..runtime.tree import TreeShape
 from .eval import parse_tree_shape
 from .generate import draft_dir
@@ -21,6 +23,7 @@ from .generate import draft_dir
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+RANDOM_8B_NAME = "random-llama-3.1-8b-shapes"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,6 +37,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
     )  # fmt: skip
     parser.add_argument("--no-draft", action="store_true", help="decode without speculation")
+    parser.add_argument(
+        "--random-8b", action="store_true",
+        help="for benchmarks: Llama-3.1-8B shapes with random weights and a random EAGLE-3 "
+        "head (no --no-draft), with the embedded model's tokenizer and so its 49152-token "
+        "vocabulary (or --tokenizer's); the text is noise, the timing is real",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None,
+        help="with --random-8b: a directory with tokenizer.json (default: the embedded model's)",
+    )  # fmt: skip
     parser.add_argument(
         "--artifacts", type=Path, default=None,
         help="start from `specrun compile` output built for the same options",
@@ -109,21 +122,53 @@ def run(args: argparse.Namespace) -> int:
 
     from ..server import build_app
 
-    draft = draft_dir(args)
+    if args.random_8b and (args.model or args.draft or args.artifacts):
+        raise ValueError("--random-8b builds its own model; drop --model, --draft, --artifacts")
+    if args.tokenizer and not args.random_8b:
+        raise ValueError("--tokenizer goes with --random-8b (a model directory has its own)")
+    draft = None if args.random_8b else draft_dir(args)
     config = engine_config(args, draft)
-    engine = AsyncEngine.from_pretrained(
-        args.model, draft=draft or False, config=config, artifacts=args.artifacts
-    )
+    if args.random_8b:
+        engine = AsyncEngine(
+            random_8b_engine(config, plain=args.no_draft, tokenizer_dir=args.tokenizer)
+        )
+    else:
+        engine = AsyncEngine.from_pretrained(
+            args.model, draft=draft or False, config=config, artifacts=args.artifacts
+        )
     if not args.no_warmup and config.resolved_device().type == "cuda":
         engine.engine.warmup(
             filtered=not args.skip_filtered,
             progress=True,
             prompt_lengths=range(1, args.warmup_prompt_tokens + 1),
         )
-    name = args.served_model_name or (Path(args.model).name if args.model else EMBEDDED_MODEL_NAME)
+    name = args.served_model_name or (
+        Path(args.model).name if args.model else RANDOM_8B_NAME if args.random_8b
+        else EMBEDDED_MODEL_NAME
+    )  # fmt: skip
     app = build_app(engine, model_name=name)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         engine.close()
     return 0
+
+
+def random_8b_engine(
+    config: EngineConfig, *, plain: bool, tokenizer_dir: Path | None = None
+) -> Engine:
+    """An Engine over Llama-3.1-8B shapes with random weights (and, unless `plain`, a random
+    EAGLE-3 head with a 32000-token draft vocabulary), tokenizing with the tokenizer of
+    `tokenizer_dir` (default: the embedded model's). The vocabulary is that tokenizer's: with
+    the embedded one the LM head is [49152, 4096] instead of [128256, 4096] (0.40 of 16 GB of
+    weights instead of 1.05)."""
+    from ..models.default import default_model_dir
+    from ..models.tokenizer import Tokenizer
+    from .decode_bench import LLAMA_31_8B, random_eagle3_head, random_target
+
+    tokenizer = Tokenizer.from_dir(tokenizer_dir or default_model_dir())
+    shapes = dataclasses.replace(LLAMA_31_8B, vocab_size=tokenizer.vocab_size)
+    dtype = config.resolved_dtype()
+    target = random_target(shapes, device=str(config.resolved_device()), dtype=dtype)
+    head = None if plain else random_eagle3_head(target, draft_vocab_size=32000, dtype=dtype)
+    return Engine(target, tokenizer, config, head=head)
