@@ -1,6 +1,6 @@
 """Per-bucket decoding state and the graphs that run it: rounds eagerly, compiled or as CUDA
 graphs, prefill graphs, warm-up, and the slot operations continuous batching needs (admit,
-release, move), plus `stream`, the decoding of one static batch.
+chunked prefill, release, move), plus `stream`, the decoding of one static batch.
 
 Every bucket's state is a view of the first `bucket` slots of one store (runtime/slots.py),
 with pending buffers as wide as the deepest tree of any bucket, so live slots move between
@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
+from .chunked_prefill import ChunkedPrefill
 from .config import EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner, compile_prefill, compile_round, compile_step
 from .graphs.compile import CompiledStep
@@ -44,7 +45,7 @@ from .reports import ReportReader, SlotTracker, Step, host_lag
 from .requests import check_requests
 from .round import SpecState, decode_round, speculative_round
 from .sampling import needs_filtering
-from .slots import admit, copy_slots, move, release, restore_rows, save_rows, slot_view
+from .slots import admit, copy_slots, install, move, release, restore_rows, save_rows, slot_view
 from .stats import DecodeStats
 from .tree import StaticTree, TreeShape
 
@@ -471,6 +472,30 @@ class Decoder:
             target_forward=self._prefill_target,
             draft_forward=self._prefill_draft,
         )
+
+    def start_chunked_prefill(
+        self, prompt: Sequence[int], params: SamplingParams
+    ) -> ChunkedPrefill:
+        """A prefill of one prompt into a staging state of its own, run chunk by chunk with
+        `prefill_chunk` (runtime/chunked_prefill.py)."""
+        return ChunkedPrefill(
+            self.target,
+            self.head,
+            prompt,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            depth=self.max_depth,
+        )
+
+    def prefill_chunk(self, chunked: ChunkedPrefill, max_tokens: int, *, slot: int) -> torch.Tensor:
+        """Run the next chunk (at most `max_tokens` prompt tokens) of a chunked prefill with
+        the plain modules; after its last, install its staging state into `slot` (free, done)
+        as `admit` does. Returns an empty report [0, 5] int64 before the last chunk, the
+        prefill report [1, 5] int64 after it."""
+        report = chunked.run(max_tokens)
+        if chunked.finished:
+            install(chunked.staging, self.state(self.config.bucket_for(slot + 1)), [slot])
+        return report
 
     def prefill_batch(
         self, bucket: int, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]

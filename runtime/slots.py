@@ -11,11 +11,13 @@ runs them harmlessly.
 `admit` prefills the new prompts into a small staging state of their own (`prefill`, with the
 compiled prefill forwards when given: dynamic shapes, so any number of requests and prompt
 lengths reuse the graphs compiled for batch 1 and for larger batches) and copies the result
-into the chosen slots: the prompt's K/V positions, the root token, the draft's pending pair,
-the request fields and the emitted root. A round over the whole bucket then decodes the new
-slots with the old ones; free slots are done and ask for nothing. Each request's random
-numbers are keyed by its own seed and positions (runtime/rng.py), so where and when it is
-admitted does not change what it samples.
+into the chosen slots (`install`: the prompt's K/V positions, the root token, the draft's
+pending pair, the request fields and the emitted root). A round over the whole bucket then
+decodes the new slots with the old ones; free slots are done and ask for nothing. A prompt
+too long to prefill between two rounds fills a staging state of its own chunk by chunk
+(runtime/chunked_prefill.py) and is installed the same way after its last chunk. Each
+request's random numbers are keyed by its own seed and positions (runtime/rng.py), so where
+and when it is admitted does not change what it samples.
 """
 
 from __future__ import annotations
@@ -53,13 +55,11 @@ def admit(
     of the admitted slots, in `slots` order.
     """
     assert len(slots) == len(prompts) == len(params) > 0, (slots, len(prompts), len(params))
-    device = state.root.device
-    num_columns = prefill_columns(prompts)
     staging = allocate_state(
         target,
         head,
         batch_size=len(slots),
-        capacity=num_columns,
+        capacity=prefill_columns(prompts),
         depth=0 if state.pending is None else state.pending.tokens.shape[1] - 1,
     )
     report = prefill(
@@ -72,7 +72,16 @@ def admit(
         target_forward=target_forward,
         draft_forward=draft_forward,
     )
-    index = slot_index(slots, device)
+    install(staging, state, slots)
+    return report
+
+
+def install(staging: SpecState, state: SpecState, slots: Sequence[int]) -> None:
+    """Copy a prefilled staging state (one row per slot, as many positions as its padded
+    prompts, pending pairs as wide as `state`'s) into `slots` of `state`: the prompt's K/V
+    positions, the root token, the draft's pending pair, the request fields and the emitted
+    root. The slots must be free (done)."""
+    index = slot_index(slots, state.root.device)
     _copy_cache(staging.target, state.target, index)
     if state.draft is not None:
         _copy_cache(staging.draft, state.draft, index)
@@ -83,8 +92,7 @@ def admit(
     for name in ("temperature", "top_k", "top_p", "seed"):
         getattr(state.sampling, name)[index] = getattr(staging.sampling, name)
     state.output[index] = 0
-    state.output[index, :num_columns] = staging.output
-    return report
+    state.output[index, : staging.output.shape[1]] = staging.output
 
 
 def _copy_cache(source: KVCache, dest: KVCache, index: torch.Tensor) -> None:
