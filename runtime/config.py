@@ -195,8 +195,11 @@ class EngineConfig:
         refuse them).
     max_waiting: requests that may wait for a slot; `submit` beyond it raises
         EngineOverloadedError (`generate` and `stream` wait for room).
-    max_prefill_tokens: prompt tokens admitted between two rounds (the first waiting request
-        always is): bounds how long admissions delay the running requests' next round.
+    max_prefill_tokens: prompt tokens prefilled between two rounds: bounds how long
+        admissions delay the running requests' next round. A longer prompt is prefilled in
+        chunks of at most this many tokens, one chunk between two rounds, while the running
+        requests keep decoding (with `continuous_batching`; static batches admit prompts
+        whole, the first always).
     continuous_batching: admit waiting requests into free slots while others decode (False:
         only when none runs, i.e. static batches that end with their slowest request; for
         comparison).

@@ -1,6 +1,6 @@
 """Per-bucket decoding state and the graphs that run it: rounds eagerly, compiled or as CUDA
 graphs, prefill graphs, warm-up, and the slot operations continuous batching needs (admit,
-release, move), plus `stream`, the decoding of one static batch.
+chunked prefill, release, move), plus `stream`, the decoding of one static batch.
 
 Every bucket's state is a view of the first `bucket` slots of one store (runtime/slots.py),
 with pending buffers as wide as the deepest tree of any bucket, so live slots move between
@@ -27,25 +27,21 @@ from tqdm.auto import tqdm
 
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
+from .chunked_prefill import ChunkedPrefill
 from .config import EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner, compile_prefill, compile_round, compile_step
 from .graphs.compile import CompiledStep
 from .prefill import (
     allocate_state,
     mark_dynamic_dims,
-    padded_prompts,
-    prefill,
-    prefill_forwards,
-    prefill_graph_length,
-    reset_requests,
     state_capacity,
 )
+from .prefill_runner import PrefillRunner
 from .reports import ReportReader, SlotTracker, Step, host_lag
 from .requests import check_requests
 from .round import SpecState, decode_round, speculative_round
 from .sampling import needs_filtering
 from .slots import (
-    admit,
     copy_rows,
     copy_slots,
     move,
@@ -143,12 +139,17 @@ class Decoder:
         self.max_depth = max(map(self.depth_for, config.buckets))
         self._store: SpecState | None = None
         self._states: dict[int, SpecState] = {}
-        # Static prompt buffers (tokens [B, T], lengths [B]) of each captured prefill graph,
-        # by its key: ("prefill", bucket, T) for a batch, ("admit", batch, T) for admissions.
-        self._prompt_buffers: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # Per admission batch size (a bucket), the state admissions are prefilled in with CUDA
-        # graphs before their rows are copied into the running bucket's free slots.
-        self._staging: dict[int, SpecState] = {}
+        self._prefills = PrefillRunner(
+            target,
+            head,
+            config,
+            self._runner,
+            head_for=self._head_for,
+            eos_token_ids=self.eos_token_ids,
+            depth=self.max_depth,
+            target_forward=self._prefill_target,
+            draft_forward=self._prefill_draft,
+        )
         self.warmups: dict[tuple[int, RoundVariant], BucketWarmup] = {}
 
     def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
@@ -220,8 +221,8 @@ class Decoder:
         if self.use_graphs:
             for bucket in reversed(chosen):
                 for num_tokens in sorted(set(prompt_lengths), reverse=True):
-                    self._prefill_graph_key(self.state(bucket), num_tokens)
-                    self._prefill_graph_key(self._staging_for(bucket), num_tokens, kind="admit")
+                    self._prefills.key(self.state(bucket), num_tokens)
+                    self._prefills.key(self._prefills.staging(bucket), num_tokens, kind="admit")
         if todo or prompt_lengths:
             settle_heap()
         return dict(self.warmups)
@@ -281,8 +282,7 @@ class Decoder:
         if self._runner is not None:
             self._runner.close()
         self._states.clear()
-        self._staging.clear()
-        self._prompt_buffers.clear()
+        self._prefills.close()
         self._store = None
         self.warmups.clear()
 
@@ -299,14 +299,14 @@ class Decoder:
         if self.use_graphs:
             # Captured before the prefill is timed (a first use's capture is not its prefill).
             self.prepare(bucket, variant=variant)
-            self._prefill_graph_key(state, max(map(len, prompts)))
+            self._prefills.key(state, max(map(len, prompts)))
         yield from self._rounds(bucket, variant, state, prompts, params, num_real, stats)
 
     @torch.inference_mode()
     def _rounds(self, bucket, variant, state, prompts, params, num_real, stats):
         reader = ReportReader(self.device)
         started = time.perf_counter()
-        reader.submit(functools.partial(self._prefill, state, prompts, params))
+        reader.submit(functools.partial(self._prefills.run, state, prompts, params))
         rows, _, _ = reader.read()
         stats.prefill_seconds += time.perf_counter() - started
         tracker = SlotTracker(num_real)
@@ -321,81 +321,19 @@ class Decoder:
             yield tracker.step(rows, stats, counts_round=True)
         stats.per_request.extend(tracker.request_stats())
 
-    def _prefill(self, state, prompts, params, *, kind: str = "prefill") -> torch.Tensor:
-        """Prefill a batch into its bucket's state (or with `kind="admit"`, a staging state);
-        returns the report. With CUDA graphs a prefill that fits `prefill_graph_tokens`
-        replays the graph of its (kind, batch, padded length)."""
-        key = self._prefill_graph_key(state, max(map(len, prompts)), kind=kind)
-        if key is None:
-            return prefill(
-                self.target,
-                self._head_for(len(prompts)),
-                state,
-                prompts,
-                params,
-                self.eos_token_ids,
-                target_forward=self._prefill_target,
-                draft_forward=self._prefill_draft,
-            )
-        reset_requests(state, params, self.eos_token_ids, vocab_size=self.target.config.vocab_size)
-        tokens, lengths = self._prompt_buffers[key]
-        host_tokens, host_lengths = padded_prompts(prompts, length=key[2], pinned=True)
-        tokens.copy_(host_tokens, non_blocking=True)
-        lengths.copy_(host_lengths, non_blocking=True)
-        return self._runner.replay(key)
-
-    def _prefill_graph_key(
-        self, state: SpecState, num_tokens: int, *, kind: str = "prefill"
-    ) -> tuple[str, int, int] | None:
-        """The key of the prefill graph for prompts of at most `num_tokens` in the state's
-        batch size (captured now if it is new), or None when such a prefill runs without
-        one."""
-        batch = state.root.shape[0]
-        length = prefill_graph_length(num_tokens, max_seq_len=self.config.max_seq_len)
-        if self._runner is None or batch * length > self.config.prefill_graph_tokens:
-            return None
-        key = (kind, batch, length)
-        if key not in self._runner:
-            self._capture_prefill(key, state)
-        return key
-
     def _head_for(self, bucket: int) -> DraftHead | None:
         return self.head if self.tree_for(bucket) is not None else None
-
-    @torch.inference_mode()
-    def _capture_prefill(self, key: tuple[str, int, int], state: SpecState) -> None:
-        """Capture the prefill forwards over static prompt buffers of the key's (batch,
-        length): full-length zero prompts during the warm-up (whose effects on the state the
-        next prefill resets). Admissions always prefill the draft too (with a head), as the
-        bucket they join may draft."""
-        kind, batch, length = key
-        tokens = torch.zeros(batch, length, dtype=torch.int64, device=self.device)
-        lengths = torch.full((batch,), length, dtype=torch.int64, device=self.device)
-        self._prompt_buffers[key] = tokens, lengths
-        step = functools.partial(
-            prefill_forwards,
-            self.target,
-            self.head if kind == "admit" else self._head_for(batch),
-            state,
-            tokens,
-            lengths,
-            target_forward=self._prefill_target,
-            draft_forward=self._prefill_draft,
-        )
-        self._runner.capture(key, step)
 
     @property
     def prefill_graphs(self) -> list[tuple[int, int]]:
         """The (bucket, padded prompt length) pairs whose batch prefill graphs are captured."""
-        return sorted((batch, length) for kind, batch, length in self._prompt_buffers
-                      if kind == "prefill")  # fmt: skip
+        return self._prefills.graphs("prefill")
 
     @property
     def admission_graphs(self) -> list[tuple[int, int]]:
-        """The (admission batch, padded prompt length) pairs whose prefill graphs are
+        """The (admission batch, padded prompt length) pairs whose admission graphs are
         captured."""
-        return sorted((batch, length) for kind, batch, length in self._prompt_buffers
-                      if kind == "admit")  # fmt: skip
+        return self._prefills.graphs("admit")
 
     def round_runner(
         self, bucket: int, *, variant: RoundVariant = RoundVariant()
@@ -445,7 +383,7 @@ class Decoder:
     def _prefill_for_warmup(self, bucket: int) -> None:
         """A prefill at the bucket's batch size (compiles the prefill forwards)."""
         prompts = [[0, 0]] * bucket
-        self._prefill(self.state(bucket), prompts, [_PADDING] * bucket)
+        self._prefills.run(self.state(bucket), prompts, [_PADDING] * bucket)
 
     def state(self, bucket: int) -> SpecState:
         """The bucket's state: views of the store's first `bucket` slots."""
@@ -485,36 +423,36 @@ class Decoder:
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
     ) -> torch.Tensor:
-        """Prefill new requests into free `slots` of the bucket's state; the others keep
-        decoding state. With CUDA graphs the prompts are prefilled into the staging state of
-        the smallest bucket that holds them, replaying its admission graph for their padded
-        length, and their rows copied into the slots; otherwise, and for prompts too long for
-        a graph, slots.admit prefills a fresh staging state with the compiled forwards.
-        Returns their prefill report [len(slots), 5] int64."""
-        if self._runner is not None:
-            staging = self._staging_for(self.config.bucket_for(len(slots)))
-            key = self._prefill_graph_key(staging, max(map(len, prompts)), kind="admit")
-            if key is not None:
-                padding = staging.root.shape[0] - len(slots)
-                report = self._prefill(
-                    staging,
-                    [*prompts, *[[0]] * padding],
-                    [*params, *[_PADDING] * padding],
-                    kind="admit",
-                )
-                copy_rows(staging, self.state(bucket), slots, num_positions=key[2])
-                return report[: len(slots)]
-        return admit(
+        """Prefill new requests into free `slots` of the bucket's state, the others keeping
+        theirs (PrefillRunner.admit: an admission graph on CUDA). Returns their prefill
+        report [len(slots), 5] int64."""
+        return self._prefills.admit(self.state(bucket), slots, prompts, params)
+
+    def start_chunked_prefill(
+        self, prompt: Sequence[int], params: SamplingParams
+    ) -> ChunkedPrefill:
+        """A prefill of one prompt into a staging state of its own, run chunk by chunk with
+        `prefill_chunk` (runtime/chunked_prefill.py)."""
+        return ChunkedPrefill(
             self.target,
             self.head,
-            self.state(bucket),
-            slots,
-            prompts,
+            prompt,
             params,
-            self.eos_token_ids,
-            target_forward=self._prefill_target,
-            draft_forward=self._prefill_draft,
+            eos_token_ids=self.eos_token_ids,
+            depth=self.max_depth,
         )
+
+    def prefill_chunk(self, chunked: ChunkedPrefill, max_tokens: int, *, slot: int) -> torch.Tensor:
+        """Run the next chunk (at most `max_tokens` prompt tokens) of a chunked prefill with
+        the plain modules; after its last, install its staging state into `slot` (free, done)
+        as `admit` does. Returns an empty report [0, 5] int64 before the last chunk, the
+        prefill report [1, 5] int64 after it."""
+        report = chunked.run(max_tokens)
+        if chunked.finished:
+            staging = chunked.staging
+            state = self.state(self.config.bucket_for(slot + 1))
+            copy_rows(staging, state, [slot], num_positions=staging.output.shape[1])
+        return report
 
     def prefill_batch(
         self, bucket: int, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
@@ -522,21 +460,7 @@ class Decoder:
         """Reset the bucket's state for a fresh batch (one request per slot, padding
         included) and prefill it, replaying its prefill graph on CUDA when it fits. Returns
         the prefill report [bucket, 5] int64."""
-        return self._prefill(self.state(bucket), prompts, params)
-
-    def _staging_for(self, batch: int) -> SpecState:
-        """The admission staging state of `batch` slots, holding the longest prompt an
-        admission graph of that batch takes (batch x length <= prefill_graph_tokens)."""
-        if batch not in self._staging:
-            capacity = self.config.prefill_graph_tokens // batch
-            self._staging[batch] = allocate_state(
-                self.target,
-                self.head,
-                batch_size=batch,
-                capacity=max(1, min(self.config.max_seq_len, capacity)),
-                depth=self.max_depth,
-            )
-        return self._staging[batch]
+        return self._prefills.run(self.state(bucket), prompts, params)
 
     def release(self, bucket: int, slots: Sequence[int]) -> None:
         """Mark slots of the bucket's state done (slots.release)."""

@@ -7,7 +7,9 @@ parts: `reset_requests` copies the requests' fields from the host, then `prefill
 samples the root token, fills the draft cache with the pairs (token j+1, feature j) of the
 prompt and leaves (root, last feature) pending for the first round's draft extend. With CUDA
 graphs the decoder replays `prefill_forwards` as a graph captured per (bucket, padded length,
-`prefill_graph_length`) over static prompt buffers; longer prefills run it directly.
+`prefill_graph_length`) over static prompt buffers; longer prefills run it directly. A prompt
+longer than the scheduler prefills between two rounds is prefilled in chunks instead
+(runtime/chunked_prefill.py, with `prompt_ancestors`, `set_pending` and `emit_root`).
 
 Compiled prefills (`compile_prefill`, dynamic shapes) compile one graph for batch 1 and one
 for every larger batch, whatever the prompt lengths and buckets, because every input they see
@@ -190,7 +192,7 @@ def prefill_forwards(
     state.finish.fill_(FINISH_NONE)
     state.target.lengths.zero_()
     positions = _positions(*tokens.shape, device)
-    attn = _empty_cache_inputs(state.target, _prompt_ancestors(*tokens.shape, device))
+    attn = _empty_cache_inputs(state.target, prompt_ancestors(*tokens.shape, device))
     out = (target_forward or target)(tokens, positions, attn)
     state.target.append(out.k_new, out.v_new, lengths)
     rows = torch.arange(tokens.shape[0], device=device)
@@ -200,9 +202,16 @@ def prefill_forwards(
         state.draft.lengths.zero_()
         features = head.target_features(out)
         _prefill_draft(draft_forward or head, state, tokens, features, lengths)
+    return emit_root(state)
+
+
+def emit_root(state: SpecState) -> torch.Tensor:
+    """Emit each slot's root token as its first output (none where max_new_tokens is 0).
+    Returns the prefill report [B, 5] int64 (ReportColumns)."""
     was_done = state.max_new == 0
-    num_emitted = emit(state, state.root[:, None], torch.ones_like(lengths), was_done)
-    return round_report(state, state.root[:, None], num_emitted, torch.zeros_like(lengths))
+    ones = torch.ones_like(state.root)
+    num_emitted = emit(state, state.root[:, None], ones, was_done)
+    return round_report(state, state.root[:, None], num_emitted, torch.zeros_like(ones))
 
 
 def padded_prompts(
@@ -300,7 +309,7 @@ def _prefill_draft(
     device = tokens.device
     if length > 1:
         positions = _positions(batch, length - 1, device)
-        attn = _empty_cache_inputs(state.draft, _prompt_ancestors(batch, length - 1, device))
+        attn = _empty_cache_inputs(state.draft, prompt_ancestors(batch, length - 1, device))
         # Fresh copies, not views: a view's base would be a graph input with unmarked dims
         # (`contiguous()` would keep a batch-1 view: its size-1 dim makes it contiguous).
         shifted = [
@@ -310,11 +319,16 @@ def _prefill_draft(
         out = draft_forward(*shifted, positions, attn)
         state.draft.append(out.k_new, out.v_new, lengths - 1)
     rows = torch.arange(batch, device=device)
-    pending = state.pending
+    set_pending(state.pending, state.root, features[rows, lengths - 1])
+
+
+def set_pending(pending: PendingPairs, root: torch.Tensor, features: torch.Tensor) -> None:
+    """Leave one pair pending per slot: the root token [B] int64 with the target's feature
+    [B, H] at the prompt's last position, for the first round's draft extend."""
     pending.tokens.zero_()
-    pending.tokens[:, 0] = state.root
+    pending.tokens[:, 0] = root
     pending.features.zero_()
-    pending.features[:, 0] = features[rows, lengths - 1]
+    pending.features[:, 0] = features
     pending.num_valid.fill_(1)
 
 
@@ -324,7 +338,7 @@ def _positions(batch: int, length: int, device: torch.device) -> torch.Tensor:
     return torch.arange(length, device=device).repeat(batch, 1)
 
 
-def _prompt_ancestors(batch: int, length: int, device: torch.device) -> torch.Tensor:
+def prompt_ancestors(batch: int, length: int, device: torch.device) -> torch.Tensor:
     """Causal ancestor bitmask [B, T, W] (a fresh tensor, W >= _MIN_MASK_WORDS: the extra
     words are zero, bits of keys past T that are never read)."""
     chain = chain_ancestors(batch, length, device)

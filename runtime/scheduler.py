@@ -5,11 +5,20 @@ Requests are submitted from any thread into a bounded FIFO waiting queue (beyond
 `EngineOverloadedError`). Between rounds the loop
 - runs calls posted to it (warm-up, which must not race the rounds);
 - retires cancelled requests (their slots are released on the device);
-- admits waiting requests into the lowest free slots, up to `max_prefill_tokens` prompt
-  tokens per round (at least one request): into an idle decoder as one batch prefill of the
-  bucket (its prefill graph on CUDA), into a running one with `Decoder.admit` (the others
-  keep their KV caches and positions); with `continuous=False` only into an idle decoder
-  (static batches, the baseline continuous batching is measured against);
+- prefills up to `max_prefill_tokens` prompt tokens: first the next chunk of each prompt
+  being prefilled in chunks (oldest first), then waiting requests in FIFO order into the
+  lowest free slots while the budget lasts (a request that does not fit waits, and all
+  behind it). A prompt that fits the budget is prefilled whole: into an idle decoder as one
+  batch prefill of the bucket (its prefill graph on CUDA), into a running one with
+  `Decoder.admit` (the others keep their KV caches and positions). A longer one reserves
+  its slot and is prefilled in chunks of what is left of the budget, one chunk a pass
+  (runtime/chunked_prefill.py), so the running requests keep getting a round every pass;
+  requests behind it are admitted meanwhile when a pass's chunks leave budget. A reserved
+  slot counts as occupied (for admissions and the bucket) but stays done on the device, so
+  rounds skip it, until its last chunk installs the prompt's state into it and delivers the
+  root token. With `continuous=False` requests are admitted whole, the first always, and only
+  into an idle decoder (static batches, the baseline continuous batching is measured
+  against);
 - runs the smallest bucket that holds the highest live slot: a batch grows into a larger
   bucket without copying (every bucket views the first slots of one store) and, when the live
   requests fit a smaller bucket and nobody waits, its live slots above that bucket move down;
@@ -31,11 +40,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..models.tokenizer import Tokenizer
+from .chunked_prefill import ChunkedPrefill
 from .config import SamplingParams
 from .decoder import Decoder, settle_heap
 from .handle import FINISH_CANCELLED, Delta, EngineClosedError, EngineOverloadedError, RequestHandle
@@ -58,7 +69,8 @@ class Scheduler:
         decoder: owns the state and graphs; used only from the loop thread from now on.
         tokenizer: given to handles for their text (None: token ids only).
         max_waiting: requests that may wait for a slot; more fail with EngineOverloadedError.
-        max_prefill_tokens: prompt tokens admitted per round (the first request always is).
+        max_prefill_tokens: prompt tokens prefilled per pass, i.e. between two rounds; longer
+            prompts are prefilled in chunks (with `continuous`).
         continuous: admit while requests decode (False: only into an idle decoder, so each
             batch runs until its last request ends: static batching, for comparison).
         threaded: run the loop on its own thread (False: `step` runs one pass).
@@ -90,6 +102,8 @@ class Scheduler:
         self._stats = EngineStats()
         # Loop thread only (read under the lock by the wait condition).
         self._slots: list[RequestHandle | None] = [None] * decoder.num_slots
+        # Requests whose prompts are being prefilled in chunks, oldest first.
+        self._chunks: dict[RequestHandle, ChunkedPrefill] = {}
         self._bucket = decoder.config.buckets[0]
         self._reader = ReportReader(decoder.device)
         self._active_since: float | None = None
@@ -229,11 +243,11 @@ class Scheduler:
             result.run(fn)
         self._retire(cancels)
         with self._cond:
-            admitted = self._take_admissions()
+            prefills = self._take_prefills()
             has_waiting = bool(self._waiting)
             self._cond.notify_all()  # room in the waiting queue
-        if admitted:
-            self._admit(admitted)
+        if prefills.chunks or prefills.whole:
+            self._prefill(prefills)
         self._resize(shrink=not has_waiting)
         self._launch_round()
         self._read_reports()
@@ -255,21 +269,36 @@ class Scheduler:
     def _can_admit(self) -> bool:
         return self._continuous or not (self._num_live() or len(self._reader))
 
-    def _take_admissions(self) -> list[tuple[int, RequestHandle]]:
-        """Waiting requests (FIFO) for the lowest free slots, within the prefill budget."""
+    def _take_prefills(self) -> _Prefills:
+        """This pass's prefills within the budget: the next chunk of each chunking request,
+        then waiting requests (FIFO) for the lowest free slots, whole or (longer than the
+        budget, continuous batching only) reserved for chunks; the first whole one always."""
+        prefills = _Prefills()
+        budget = self._max_prefill_tokens
+        for handle, chunked in self._chunks.items():
+            num_tokens = min(budget, chunked.num_remaining)
+            if num_tokens:
+                prefills.chunks.append((handle, num_tokens))
+                budget -= num_tokens
         free = [slot for slot, h in enumerate(self._slots) if h is None]
         if not self._can_admit():
             free = []
-        admitted: list[tuple[int, RequestHandle]] = []
-        num_tokens = 0
-        while self._waiting and len(admitted) < len(free):
+        while self._waiting and free:
             length = len(self._waiting[0].prompt_token_ids)
-            if admitted and num_tokens + length > self._max_prefill_tokens:
+            if self._continuous and length > self._max_prefill_tokens:
+                if not budget:
+                    break
+                handle = self._waiting.popleft()
+                prefills.reserved.append((free.pop(0), handle))
+                prefills.chunks.append((handle, budget))
+                budget = 0
+            elif length <= budget or not (prefills.chunks or prefills.whole):
+                prefills.whole.append((free.pop(0), self._waiting.popleft()))
+                budget = max(0, budget - length)
+            else:
                 break
-            num_tokens += length
-            admitted.append((free[len(admitted)], self._waiting.popleft()))
         self._stats.num_waiting = len(self._waiting)
-        return admitted
+        return prefills
 
     def _retire(self, cancels: list[RequestHandle]) -> None:
         """Free the slots of cancelled requests (marked done on the device) and end them."""
@@ -277,6 +306,7 @@ class Scheduler:
         for handle in cancels:
             if handle.done:
                 continue
+            self._chunks.pop(handle, None)
             for slot, owner in enumerate(self._slots):
                 if owner is handle:
                     self._slots[slot] = None
@@ -286,9 +316,33 @@ class Scheduler:
         if slots:
             self.decoder.release(self._bucket, slots)
 
+    def _prefill(self, prefills: _Prefills) -> None:
+        """Reserve the slots of requests starting chunks, run the pass's chunks, then prefill
+        the requests admitted whole."""
+        for slot, handle in prefills.reserved:
+            self._slots[slot] = handle
+            prompt, params = handle.prompt_token_ids, handle.params
+            self._chunks[handle] = self.decoder.start_chunked_prefill(prompt, params)
+        self._mark_active()
+        for handle, max_tokens in prefills.chunks:
+            self._prefill_chunk(handle, max_tokens)
+        if prefills.whole:
+            self._admit(prefills.whole)
+
+    def _prefill_chunk(self, handle: RequestHandle, max_tokens: int) -> None:
+        """Run the request's next chunk and queue its report: empty until the last chunk,
+        which installs the prompt's state into the slot the request holds now (moves may
+        have relocated the reservation) and reports the root token."""
+        chunked = self._chunks[handle]
+        slot = self._slots.index(handle)
+        run = functools.partial(self.decoder.prefill_chunk, chunked, max_tokens, slot=slot)
+        self._reader.submit(run, tag=("prefill", [handle]))
+        if chunked.finished:
+            del self._chunks[handle]
+
     def _admit(self, admitted: list[tuple[int, RequestHandle]]) -> None:
-        """Prefill the admitted requests into their slots and queue the prefill's report."""
-        idle = self._num_live() == 0
+        """Prefill requests whole into their slots and queue the prefill's report."""
+        idle = not any(self._decoding(len(self._slots)))
         slots = [slot for slot, _ in admitted]
         handles = [handle for _, handle in admitted]
         for slot, handle in admitted:
@@ -298,7 +352,8 @@ class Scheduler:
         prompts = [h.prompt_token_ids for h in handles]
         params = [h.params for h in handles]
         if idle and slots == list(range(len(slots))):
-            # Nothing runs: a batch prefill of the whole bucket (graph-captured on CUDA).
+            # Nothing decodes: a batch prefill of the whole bucket (graph-captured on CUDA);
+            # it leaves the padding rows done, as slots reserved for chunks must stay.
             padding = bucket - len(slots)
             prompts += [[0]] * padding
             params += [_PADDING] * padding
@@ -328,7 +383,7 @@ class Scheduler:
 
     def _launch_round(self) -> None:
         bucket = self._bucket
-        owners = self._slots[:bucket]
+        owners = self._decoding(bucket)
         params = [h.params for h in owners if h is not None]
         if not params:
             return
@@ -338,6 +393,11 @@ class Scheduler:
             settle_heap()
         run = self.decoder.round_runner(bucket, variant=variant)
         self._reader.submit(run, tag=("round", list(owners), f"{bucket}{variant.tag}"))
+
+    def _decoding(self, bucket: int) -> list[RequestHandle | None]:
+        """The owners of the bucket's slots as its rounds see them: None for free slots and
+        for slots reserved for chunked prompts (done on the device until installed)."""
+        return [None if h in self._chunks else h for h in self._slots[:bucket]]
 
     def _read_reports(self) -> None:
         lag = host_lag(self.decoder.device)
@@ -408,6 +468,17 @@ class Scheduler:
             self._cond.notify_all()
         for handle in handles:
             handle._deliver([], FINISH_CANCELLED)
+
+
+@dataclass
+class _Prefills:
+    """One pass's prefills: chunks to run (request, most tokens), oldest first, among them
+    the first chunks of the requests given reserved slots (slot, request); requests admitted
+    whole (slot, request)."""
+
+    chunks: list[tuple[RequestHandle, int]] = field(default_factory=list)
+    reserved: list[tuple[int, RequestHandle]] = field(default_factory=list)
+    whole: list[tuple[int, RequestHandle]] = field(default_factory=list)
 
 
 class _Result:

@@ -11,11 +11,13 @@ runs them harmlessly.
 `admit` prefills the new prompts into a small staging state of their own (`prefill`, with the
 compiled prefill forwards when given: dynamic shapes, so any number of requests and prompt
 lengths reuse the graphs compiled for batch 1 and for larger batches) and copies the result
-into the chosen slots: the prompt's K/V positions, the root token, the draft's pending pair,
-the request fields and the emitted root. A round over the whole bucket then decodes the new
-slots with the old ones; free slots are done and ask for nothing. Each request's random
-numbers are keyed by its own seed and positions (runtime/rng.py), so where and when it is
-admitted does not change what it samples.
+into the chosen slots (`copy_rows`: the prompt's K/V positions, the root token, the draft's
+pending pair, the request fields and the emitted root). A round over the whole bucket then
+decodes the new slots with the old ones; free slots are done and ask for nothing. A prompt
+too long to prefill between two rounds fills a staging state of its own chunk by chunk
+(runtime/chunked_prefill.py) and is installed the same way after its last chunk. Each
+request's random numbers are keyed by its own seed and positions (runtime/rng.py), so where
+and when it is admitted does not change what it samples.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """GPU tier: continuous batching over captured graphs. Requests joining and leaving across
-bucket boundaries (1 -> 2 -> 4 -> 2 -> 1) after the warm-up cause no compilation and no new
-capture, nothing in the loop synchronises with the host, and every request decodes what the
-reference decoder decodes for it alone (greedy, and seeded sampling with top-k trees)."""
+bucket boundaries (1 -> 2 -> 4 -> 2 -> 1), one of them prefilled in chunks, after the warm-up
+cause no compilation and no new capture, nothing in the loop synchronises with the host, and
+every request decodes what the reference decoder decodes for it alone (greedy, and seeded
+sampling with top-k trees)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ REQUESTS = [
     ([3, 4, 5, 6], 8, True, 4),
     ([12, 13], 25, True, 9),
     ([7] * 15, 6, False, 30),
+    # Longer than the prefill budget: prefilled in three chunks while the others decode.
+    ([11] * 20 + [4] * 20, 10, True, 6),
 ]
 
 
@@ -41,7 +44,7 @@ def test_requests_across_bucket_boundaries_need_no_compile_or_capture():
     config = EngineConfig(device="cuda", buckets=(1, 2, 4), trees=TREES, max_seq_len=128)
     decoder = Decoder(target, head, config)
     scheduler = Scheduler(
-        decoder, tokenizer=None, max_waiting=16, max_prefill_tokens=64, threaded=False
+        decoder, tokenizer=None, max_waiting=16, max_prefill_tokens=16, threaded=False
     )
     with torch.inference_mode():
         decoder.warmup(prompt_lengths=[16])

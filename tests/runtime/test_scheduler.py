@@ -1,7 +1,8 @@
 """Continuous batching through the scheduler, driven pass by pass: requests arriving at random
 rounds with random prompts, parameters, stop ids and cancellations, across bucket moves up and
-down, decode exactly what each decodes alone with the reference decoder (greedy, and seeded
-sampling with top-k trees); cancelled requests keep a prefix of it; no slot is leaked."""
+down, some with prompts longer than the prefill budget (prefilled in chunks), decode exactly
+what each decodes alone with the reference decoder (greedy, and seeded sampling with top-k
+trees); cancelled requests keep a prefix of it; no slot is leaked."""
 
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ def workloads(draw):
     """Requests: (prompt, params, arrival round, cancel round or None)."""
     requests = []
     for _ in range(draw(st.integers(1, 7))):
-        prompt = draw(st.lists(st.integers(1, 96), min_size=1, max_size=9))
+        # Some prompts exceed the prefill budget (12 tokens) and are prefilled in chunks.
+        long = draw(st.integers(0, 3)) == 0
+        size = dict(min_size=13, max_size=30) if long else dict(min_size=1, max_size=9)
+        prompt = draw(st.lists(st.integers(1, 96), **size))
         arrival = draw(st.integers(0, 8))
         cancel = draw(st.one_of(st.none(), st.integers(arrival, arrival + 6)))
         cancel = cancel if draw(st.integers(0, 4)) == 0 else None
@@ -102,6 +106,7 @@ def test_requests_decode_what_each_decodes_alone(models, kind, requests):
             else:
                 assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
     assert scheduler.slots == [None] * 4
+    assert not scheduler._chunks
     assert bool(scheduler.decoder.state(4).done.all())
     stats = scheduler.stats()
     assert stats.num_running == stats.num_waiting == 0
