@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
 from specrun.models.config import LlamaConfig
@@ -144,3 +147,32 @@ def decode_tokens(decoder, prompts, params, *, stats=None):
             outputs[slot].extend(tokens)
             reasons[slot] = reason or reasons[slot]
     return outputs, reasons
+
+
+def save_byte_level_chat_model(out_dir: Path, chat_config_dir: Path) -> tuple[Path, Path]:
+    """A tiny random Llama over a byte-level vocabulary (3 special tokens + the 256 bytes, so
+    any text encodes and random output exercises multi-byte decoding) with a random EAGLE-3
+    head, saved as HF directories: (model dir, head dir). Its tokenizer_config.json and
+    generation_config.json (special tokens, chat template, EOS) are those of
+    `chat_config_dir`, whose special tokens it must use: <|endoftext|>, <|im_start|>,
+    <|im_end|> as ids 0, 1, 2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from specrun.models.loading import save_draft, save_target
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials + pre_tokenizers.ByteLevel.alphabet())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    config = tiny_config(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_heads=4,
+        head_dim=16, max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,),
+    )  # fmt: skip
+    target = random_llama(config)
+    model_dir = save_target(target, out_dir / "model")
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        shutil.copy(chat_config_dir / name, model_dir / name)
+    return model_dir, save_draft(random_head("eagle3", target, seed=1), out_dir / "head")

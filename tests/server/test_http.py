@@ -129,7 +129,9 @@ def test_a_client_disconnecting_mid_stream_frees_its_request(server):
     body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
             "stream": True}  # fmt: skip
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as reply:
-        for line in reply.iter_lines():
+        # Held: a line iterator dropped by `break` is finalised at once, closing the connection.
+        lines = reply.iter_lines()
+        for line in lines:
             if line.startswith("data: "):
                 assert json.loads(line[6:])["choices"]
                 break
