@@ -171,6 +171,11 @@ def validate_prompt_ids(prompt: object, *, vocab_size: int, index: int = 0) -> l
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# The parameters of a slot that pads a batch up to its bucket: it asks for no tokens, so it is
+# done from the start.
+PADDING_PARAMS = SamplingParams(max_new_tokens=0)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs.

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from .chunked_prefill import ChunkedPrefill
-from .config import EngineConfig, SamplingParams
+from .config import PADDING_PARAMS, EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner, compile_prefill, compile_round, compile_step
 from .graphs.compile import CompiledStep
 from .prefill import (
@@ -54,8 +54,6 @@ from .stats import DecodeStats
 from .tree import StaticTree, TreeShape
 
 logger = logging.getLogger(__name__)
-
-_PADDING = SamplingParams(max_new_tokens=0)
 
 
 @dataclass(frozen=True)
@@ -272,7 +270,7 @@ class Decoder:
         yield from self._decode_batch(
             bucket,
             [*prompts, *[[0]] * padding],
-            [*params, *[_PADDING] * padding],
+            [*params, *[PADDING_PARAMS] * padding],
             len(prompts),
             stats,
         )
@@ -383,7 +381,7 @@ class Decoder:
     def _prefill_for_warmup(self, bucket: int) -> None:
         """A prefill at the bucket's batch size (compiles the prefill forwards)."""
         prompts = [[0, 0]] * bucket
-        self._prefills.run(self.state(bucket), prompts, [_PADDING] * bucket)
+        self._prefills.run(self.state(bucket), prompts, [PADDING_PARAMS] * bucket)
 
     def state(self, bucket: int) -> SpecState:
         """The bucket's state: views of the store's first `bucket` slots."""

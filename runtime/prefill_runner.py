@@ -22,7 +22,7 @@ import torch
 
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
-from .config import EngineConfig, SamplingParams
+from .config import PADDING_PARAMS, EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner
 from .prefill import (
     allocate_state,
@@ -34,8 +34,6 @@ from .prefill import (
 )
 from .round import SpecState
 from .slots import admit, copy_rows
-
-_PADDING = SamplingParams(max_new_tokens=0)
 
 GraphKey = tuple[str, int, int]
 
@@ -122,7 +120,9 @@ class PrefillRunner:
             if key is not None:
                 padding = staging.root.shape[0] - len(slots)
                 prompts = [*prompts, *[[0]] * padding]
-                report = self.run(staging, prompts, [*params, *[_PADDING] * padding], kind="admit")
+                report = self.run(
+                    staging, prompts, [*params, *[PADDING_PARAMS] * padding], kind="admit"
+                )
                 copy_rows(staging, state, slots, num_positions=key[2])
                 return report[: len(slots)]
         return admit(

@@ -47,7 +47,7 @@ import torch
 
 from ..models.tokenizer import Tokenizer
 from .chunked_prefill import ChunkedPrefill
-from .config import SamplingParams
+from .config import PADDING_PARAMS, SamplingParams
 from .decoder import Decoder, settle_heap
 from .handle import FINISH_CANCELLED, Delta, EngineClosedError, EngineOverloadedError, RequestHandle
 from .reports import ReportReader, host_lag, row_finish, row_tokens
@@ -55,8 +55,6 @@ from .round import ReportColumns
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-_PADDING = SamplingParams(max_new_tokens=0)
 
 
 class Scheduler:
@@ -356,7 +354,7 @@ class Scheduler:
             # it leaves the padding rows done, as slots reserved for chunks must stay.
             padding = bucket - len(slots)
             prompts += [[0]] * padding
-            params += [_PADDING] * padding
+            params += [PADDING_PARAMS] * padding
             run = functools.partial(self.decoder.prefill_batch, bucket, prompts, params)
             self._reader.submit(run, tag=("prefill", handles))
         else:

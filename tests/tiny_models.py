@@ -101,6 +101,17 @@ class TargetAsDraft(torch.nn.Module):
         return DraftOutput(out.hidden, self.target.logits(out.hidden), out.k_new, out.v_new)
 
 
+def targets_with_heads() -> dict[str, tuple[Llama, torch.nn.Module | None]]:
+    """One float64 tiny target without a head ("plain"), drafting for itself ("perfect": every
+    draft is accepted) and with a random EAGLE-3 head ("eagle3")."""
+    target = random_llama(tiny_config(), dtype=torch.float64)
+    return {
+        "plain": (target, None),
+        "perfect": (target, TargetAsDraft(target)),
+        "eagle3": (target, random_head("eagle3", target)),
+    }
+
+
 def prompt_logits(model: Llama, ids: list[int]) -> torch.Tensor:
     """Logits [T, vocab] of one prompt run from an empty cache, on the model's device/dtype."""
     from specrun.models.attention import chain_ancestors

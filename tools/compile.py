@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ from ..runtime import aot
 from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
 from ..runtime.decoder import Decoder
 from ..runtime.graphs import artifacts
-from ..runtime.tree import TreeShape
+from ..runtime.tree import StaticTree, TreeShape
 from .generate import draft_dir
 
 
@@ -93,11 +94,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def tree_option_table(
+    args: argparse.Namespace, draft: str | Path | None
+) -> Mapping[int, TreeShape | StaticTree | None]:
+    """EngineConfig.trees from `--tree D K N` (one tree everywhere) or the default table
+    with the draft head's trees over it, stochastic with `--stochastic`."""
+    trees = {1: TreeShape(*args.tree)} if args.tree else default_trees(draft)
+    return stochastic_trees(trees) if args.stochastic else trees
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the artifacts are for (the engine must be built with the same)."""
-    trees = {1: TreeShape(*args.tree)} if args.tree else default_trees(args.draft)
-    if args.stochastic:
-        trees = stochastic_trees(trees)
+    trees = tree_option_table(args, args.draft)
     return EngineConfig(
         device=args.device,
         dtype=args.dtype,

@@ -14,9 +14,10 @@ import logging
 from pathlib import Path
 
 from ..runtime.async_engine import AsyncEngine
-from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
+from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, stochastic_trees
 from ..runtime.engine import Engine
 from ..runtime.tree import TreeShape
+from .compile import tree_option_table
 from .eval import parse_tree_shape
 from .generate import draft_dir
 
@@ -100,11 +101,11 @@ def _bucket_tree(text: str) -> tuple[int, TreeShape | None]:
 
 
 def engine_config(args: argparse.Namespace, draft: str | Path | None) -> EngineConfig:
-    trees = {1: TreeShape(*args.tree)} if args.tree else default_trees(draft)
-    given = dict(args.tree_at)
-    trees = {k: tree for k, tree in trees.items() if not any(g < k for g in given)} | given
+    given = {bucket: tree for bucket, tree in args.tree_at}
     if args.stochastic:
-        trees = stochastic_trees(trees)
+        given = stochastic_trees(given)
+    trees = tree_option_table(args, draft)
+    trees = {k: tree for k, tree in trees.items() if not any(g < k for g in given)} | given
     return EngineConfig(
         device=args.device,
         dtype=args.dtype,

@@ -20,7 +20,7 @@ from specrun.runtime.prefill import allocate_state, prefill
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.scheduler import Scheduler
 from specrun.runtime.tree import TreeShape
-from tiny_models import TargetAsDraft, random_head, random_llama, tiny_config
+from tiny_models import targets_with_heads
 
 TREES = {1: TreeShape(3, 2, 6), 2: TreeShape(2, 3, 5), 4: TreeShape(1, 2, 3)}
 CONFIG = EngineConfig(device="cpu", buckets=(1, 2, 4), trees=TREES, max_seq_len=64, compile=False)
@@ -31,12 +31,7 @@ SEEDED = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=5, seed=2**40 
 
 @pytest.fixture(scope="module")
 def models():
-    target = random_llama(tiny_config(), dtype=torch.float64)
-    return {
-        "plain": (target, None),
-        "perfect": (target, TargetAsDraft(target)),
-        "eagle3": (target, random_head("eagle3", target)),
-    }
+    return targets_with_heads()
 
 
 def _scheduler(target, head, *, max_prefill_tokens: int, continuous: bool = True) -> Scheduler:

@@ -17,7 +17,7 @@ from specrun.runtime.handle import FINISH_CANCELLED, EngineOverloadedError
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.scheduler import Scheduler
 from specrun.runtime.tree import TreeShape
-from tiny_models import TargetAsDraft, random_head, random_llama, tiny_config
+from tiny_models import targets_with_heads
 
 # Depths differ per bucket, so slots moving between buckets carry more pending pairs than
 # the shallower round makes.
@@ -27,12 +27,7 @@ CONFIG = EngineConfig(device="cpu", buckets=(1, 2, 4), trees=TREES, max_seq_len=
 
 @pytest.fixture(scope="module")
 def models():
-    target = random_llama(tiny_config(), dtype=torch.float64)
-    return {
-        "plain": (target, None),
-        "perfect": (target, TargetAsDraft(target)),
-        "eagle3": (target, random_head("eagle3", target)),
-    }
+    return targets_with_heads()
 
 
 def _scheduler(target, head, **options) -> Scheduler:
