@@ -123,12 +123,19 @@ class DraftHead(nn.Module):
         """draft_ids: int64 ids in the head's output vocabulary. Returns target ids, same shape."""
         return draft_ids
 
-
-class FusedInputHead(DraftHead):
-    """Heads whose input is fc([embed(token), feature]) followed by decoder layers."""
+    def trunk(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head's layers over T new tokens, without the logits: hidden [B, T, H] and the
+        new keys/values [num_layers, B, Hkv, T, D] (see DraftOutput)."""
+        raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., H] the last layer's output. Returns [..., vocab]."""
+        """hidden: [..., H] the trunk's output. Returns [..., V_draft]."""
         raise NotImplementedError
 
     def forward(
@@ -138,11 +145,26 @@ class FusedInputHead(DraftHead):
         positions: torch.Tensor,
         attn: AttentionInputs,
     ) -> DraftOutput:
+        """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache.
+        The trunk, then the logits at every new token."""
+        hidden, k_new, v_new = self.trunk(tokens, features, positions, attn)
+        return DraftOutput(hidden, self.logits(hidden), k_new, v_new)
+
+
+class FusedInputHead(DraftHead):
+    """Heads whose input is fc([embed(token), feature]) followed by decoder layers."""
+
+    def trunk(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache."""
         x = self.fc(torch.cat([self.embed(tokens), features], dim=-1))
         rope = self.rotary(positions, x.dtype)
-        x, k_new, v_new = run_layers(self.layers, x, rope, attn)
-        return DraftOutput(x, self.logits(x), k_new, v_new)
+        return run_layers(self.layers, x, rope, attn)
 
 
 class Eagle1Head(FusedInputHead):
@@ -253,18 +275,18 @@ class Eagle3Head(DraftHead):
         """draft_ids: int64 in [0, draft_vocab). Returns the target ids, same shape, int64."""
         return draft_ids + self.d2t[draft_ids]
 
-    def forward(
+    def trunk(
         self,
         tokens: torch.Tensor,
         features: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionInputs,
-    ) -> DraftOutput:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens, positions: [B, T] int64; features: [B, T, H], already projected (a
         `project(taps)` result or a previous `hidden`). attn: the draft's cache (1 layer)."""
         rope = self.rotary(positions, features.dtype)
         x, k, v = self.midlayer(self.embed(tokens), features, rope, attn, 0)
-        return DraftOutput(x, self.logits(x), k[None], v[None])
+        return x, k[None], v[None]
 
 
 _HEAD_OF_KIND: dict[str, type[DraftHead]] = {

@@ -36,6 +36,9 @@ DEFAULT_TREES: Mapping[int, TreeShape | StaticTree | None] = MappingProxyType(
     }
 )
 
+# The speculation policies by name (runtime/policy.py builds them).
+POLICY_NAMES = ("cost", "fixed", "batch-table", "ema", "gammatune")
+
 # A draft-head directory may carry the tree shapes measured best for it (see default_trees).
 HEAD_TREES_FILE = "trees.json"
 
@@ -208,6 +211,10 @@ class EngineConfig:
     continuous_batching: admit waiting requests into free slots while others decode (False:
         only when none runs, i.e. static batches that end with their slowest request; for
         comparison).
+    policy: how each round's tree is chosen among the bucket's ladder of shapes (its tree,
+        smaller ones, plain decoding; runtime/policy.py): "cost" (expected tokens per
+        measured second), "fixed" (the bucket's tree, nothing else is built), "batch-table",
+        "ema" or "gammatune".
     """
 
     device: str = "auto"
@@ -225,6 +232,7 @@ class EngineConfig:
     max_waiting: int = 1024
     max_prefill_tokens: int = 4096
     continuous_batching: bool = True
+    policy: str = "cost"
 
     def __post_init__(self) -> None:
         for name in ("device", "dtype"):
@@ -243,6 +251,8 @@ class EngineConfig:
                 torch.device(self.device)
             except RuntimeError as e:
                 raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {list(POLICY_NAMES)}, got {self.policy!r}")
         object.__setattr__(self, "buckets", _checked_buckets(self.buckets))
         object.__setattr__(self, "trees", _checked_trees(self.trees, self.buckets))
         _check_int("max_seq_len", self.max_seq_len)

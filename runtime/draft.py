@@ -67,15 +67,24 @@ def draft_extend(
     Returns the root's feature [B, H] (the head's hidden state at the last valid pair) and the
     logits of the root's children [B, V_draft].
     """
+    root_feature = draft_commit(head, cache, pending)
+    return root_feature, head.logits(root_feature)
+
+
+def draft_commit(head: DraftHead, cache: KVCache, pending: PendingPairs) -> torch.Tensor:
+    """Run the head's trunk over the pending pairs (all P columns; the first `num_valid` of
+    each row are committed to the draft cache). Returns the hidden state [B, H] at each row's
+    last valid pair."""
     batch, num_pairs = pending.tokens.shape
     device = pending.tokens.device
     positions = cache.lengths[:, None] + torch.arange(num_pairs, device=device)
     anc = chain_ancestors(batch, num_pairs, device)
-    out = head(pending.tokens, pending.features, positions, cache.attention_inputs(anc))
-    cache.append(out.k_new, out.v_new, pending.num_valid)
+    hidden, k_new, v_new = head.trunk(
+        pending.tokens, pending.features, positions, cache.attention_inputs(anc)
+    )
+    cache.append(k_new, v_new, pending.num_valid)
     last = (pending.num_valid - 1).clamp_min(0)
-    rows = torch.arange(batch, device=device)
-    return out.hidden[rows, last], out.logits[rows, last]
+    return hidden[torch.arange(batch, device=device), last]
 
 
 def draft_tree(

@@ -1,5 +1,5 @@
 """One decoding round as a function of device tensors: the speculative round (draft, verify,
-accept, commit) and the plain autoregressive step.
+accept, commit) and the plain autoregressive step (with or without keeping the draft in step).
 
 Everything a round needs lives in `SpecState` on the device. A round updates the state's
 tensors in place (never rebinding them), with static shapes, no host synchronisation and no
@@ -19,8 +19,8 @@ import torch
 
 from ..models.attention import chain_ancestors
 from ..models.eagle import DraftHead
-from ..models.llama import Llama
-from .draft import PendingPairs, draft_static_tree, draft_tree
+from ..models.llama import Llama, ModelOutput
+from .draft import PendingPairs, draft_commit, draft_static_tree, draft_tree
 from .kv_cache import KVCache
 from .sampling import SamplingTensors, draw_tokens
 from .stochastic import DraftDistributions, accept_stochastic, draft_stochastic_tree
@@ -146,6 +146,39 @@ def verify_phase(
 def decode_round(target: Llama, state: SpecState) -> torch.Tensor:
     """One plain autoregressive step in place: the root enters the cache, the next token is
     sampled and emitted. Returns the round report [B, 5] int64 (ReportColumns)."""
+    return _decode_step(target, state)[0]
+
+
+def synced_decode_round(
+    target: Llama, head: DraftHead, state: SpecState, *, num_pending: int
+) -> torch.Tensor:
+    """A plain step that keeps the draft in step, so that any later round may speculate: the
+    first `num_pending` pending columns (at least every row's `num_valid`: the whole width
+    after a speculative round, 1 after a prefill or a plain step) are committed to the draft
+    cache, then `decode_round`, whose (token, root feature) pair becomes the one pending.
+    Returns the round report [B, 5] int64."""
+    pending = state.pending
+    draft_commit(
+        head,
+        state.draft,
+        PendingPairs(
+            pending.tokens[:, :num_pending],
+            pending.features[:, :num_pending],
+            pending.num_valid.clamp_max(num_pending),
+        ),
+    )
+    report, out, token, was_done = _decode_step(target, state)
+    pending.tokens[:, :1].copy_(token[:, None])
+    pending.features[:, :1].copy_(head.target_features(out))
+    pending.num_valid.copy_((~was_done).long())
+    return report
+
+
+def _decode_step(
+    target: Llama, state: SpecState
+) -> tuple[torch.Tensor, ModelOutput, torch.Tensor, torch.Tensor]:
+    """decode_round's work: its report, the target's output at the root, the drawn token [B]
+    and which slots were done before the step [B] bool."""
     batch = state.root.shape[0]
     out = target(
         state.root[:, None],
@@ -157,7 +190,8 @@ def decode_round(target: Llama, state: SpecState) -> torch.Tensor:
     token = draw_tokens(target.logits(out.hidden[:, 0]), state.sampling)
     num_emitted = emit(state, token[:, None], torch.ones_like(token), was_done)
     state.root.copy_(token)
-    return round_report(state, token[:, None], num_emitted, torch.zeros_like(token))
+    report = round_report(state, token[:, None], num_emitted, torch.zeros_like(token))
+    return report, out, token, was_done
 
 
 def _commit_target(

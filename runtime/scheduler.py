@@ -22,8 +22,10 @@ Requests are submitted from any thread into a bounded FIFO waiting queue (beyond
 - runs the smallest bucket that holds the highest live slot: a batch grows into a larger
   bucket without copying (every bucket views the first slots of one store) and, when the live
   requests fit a smaller bucket and nobody waits, its live slots above that bucket move down;
-- launches one round of that bucket (its variant chosen from the live requests' parameters)
-  and reads the reports one round late, delivering each request's tokens to its handle.
+- launches one round of that bucket, its tree chosen by the decoder's speculation policy
+  from the live requests' acceptance estimates (runtime/policy.py) and its variant from their
+  parameters, and reads the reports one round late, delivering each request's tokens to its
+  handle and each row's accepted drafts to the request's estimate.
 
 Every launch goes into the one CUDA stream in order, so a slot released or moved between
 rounds is free once the rounds queued before have run; each report carries the owners of
@@ -46,9 +48,10 @@ from typing import Any
 import torch
 
 from ..models.tokenizer import Tokenizer
+from .acceptance import AcceptanceBook
 from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, SamplingParams
-from .decoder import Decoder, settle_heap
+from .decoder import Decoder, RoundVariant, settle_heap
 from .handle import FINISH_CANCELLED, Delta, EngineClosedError, EngineOverloadedError, RequestHandle
 from .reports import ReportReader, host_lag, row_finish, row_tokens
 from .round import ReportColumns
@@ -104,6 +107,7 @@ class Scheduler:
         self._chunks: dict[RequestHandle, ChunkedPrefill] = {}
         self._bucket = decoder.config.buckets[0]
         self._reader = ReportReader(decoder.device)
+        self._acceptance = AcceptanceBook()
         self._active_since: float | None = None
 
     # Any thread.
@@ -385,12 +389,13 @@ class Scheduler:
         params = [h.params for h in owners if h is not None]
         if not params:
             return
-        variant = self.decoder.variant_for(bucket, params)
+        estimates = [self._acceptance.get(h) for h in owners if h is not None]
+        variant = self.decoder.plan_round(bucket, params, estimates)
         if self.decoder.use_graphs and (bucket, variant) not in self.decoder.warmups:
             self.decoder.prepare(bucket, variant=variant, prefill=False)
             settle_heap()
         run = self.decoder.round_runner(bucket, variant=variant)
-        self._reader.submit(run, tag=("round", list(owners), f"{bucket}{variant.tag}"))
+        self._reader.submit(run, tag=("round", list(owners), (bucket, variant)))
 
     def _decoding(self, bucket: int) -> list[RequestHandle | None]:
         """The owners of the bucket's slots as its rounds see them: None for free slots and
@@ -414,17 +419,22 @@ class Scheduler:
         for row, handle in zip(rows, handles, strict=False):
             self._deliver(handle, row)
 
-    def _on_round(self, rows, owners, key: str, seconds: float) -> None:
+    def _on_round(self, rows, owners, launched: tuple[int, RoundVariant], seconds: float) -> None:
+        bucket, variant = launched
         histogram = [0] * (self.decoder.max_depth + 1)
+        accepted = []
         for row, handle in zip(rows, owners, strict=True):
             if handle is None or handle.done:
                 continue
             num_accepted = row[ReportColumns.NUM_ACCEPTED]
             handle._count_round(num_accepted)
             histogram[num_accepted] += 1
+            accepted.append(num_accepted)
+            self._acceptance.observe(handle, variant.tree, num_accepted)
             self._deliver(handle, row)
+        self.decoder.round_done(bucket, variant, seconds, accepted)
         with self._cond:
-            self._stats.add_round(key, seconds, histogram)
+            self._stats.add_round(f"{bucket}:{variant.tag}", seconds, histogram)
 
     def _deliver(self, handle: RequestHandle, row: list[int]) -> None:
         tokens = row_tokens(row)
@@ -439,6 +449,7 @@ class Scheduler:
             handle._deliver(tokens)
 
     def _finish(self, handle: RequestHandle, reason: str, tokens: list[int] = ()) -> None:
+        self._acceptance.forget(handle)
         handle._deliver(list(tokens), reason)
         with self._cond:
             self._stats.num_requests += 1

@@ -28,12 +28,21 @@ def speculative_generate(
     *,
     shape: TreeShape | StaticTree,
     eos_token_ids: Sequence[int] = (),
+    policy: str = "fixed",
 ) -> tuple[list[Generation], DecodeStats]:
-    """Decode a batch of tokenized prompts to completion with draft trees of `shape`."""
+    """Decode a batch of tokenized prompts to completion with draft trees of `shape` (with
+    an adaptive `policy`, `shape` and its ladder: runtime/policy.py)."""
     stats = DecodeStats()
     results: list[Generation] = []
     steps = speculative_stream(
-        target, head, prompts, params, shape=shape, eos_token_ids=eos_token_ids, stats=stats
+        target,
+        head,
+        prompts,
+        params,
+        shape=shape,
+        eos_token_ids=eos_token_ids,
+        stats=stats,
+        policy=policy,
     )
     for step in steps:
         results = results or [Generation([], FINISH_LENGTH) for _ in step]
@@ -52,6 +61,7 @@ def speculative_stream(
     shape: TreeShape | StaticTree,
     eos_token_ids: Sequence[int] = (),
     stats: DecodeStats | None = None,
+    policy: str = "fixed",
 ) -> Iterator[Step]:
     """Yield, after the prefill and after every round, (new tokens, finish reason or None) per
     slot. `stats`, when given, is filled in as the run goes."""
@@ -67,6 +77,7 @@ def speculative_stream(
         max_seq_len=capacity,
         compile=False,
         cuda_graphs=False,
+        policy=policy,
     )
     decoder = Decoder(target, head, config, eos_token_ids=eos_token_ids)
     yield from decoder.stream(prompts, params, stats=stats)

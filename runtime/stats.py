@@ -26,13 +26,15 @@ class RequestStats:
 @dataclass
 class DecodeStats:
     """Statistics of decoding: rounds, accepted draft tokens per slot-round (histogram over
-    0..D), prefill and round seconds (GPU time on CUDA, wall time on the CPU), requests.
+    0..D), prefill and round seconds (GPU time on CUDA, wall time on the CPU), requests, and
+    rounds per shape run (RoundVariant.tag: "plain", "D,K,N", ...).
 
     One object may accumulate several batches (`begin` is called per batch)."""
 
     num_requests: int = 0
     num_rounds: int = 0
     accepted_histogram: list[int] = field(default_factory=list)
+    rounds_by_shape: dict[str, int] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     round_seconds: float = 0.0
     per_request: list[RequestStats] = field(default_factory=list)
@@ -49,9 +51,15 @@ class DecodeStats:
         for depth, count in enumerate(other.accepted_histogram):
             self.accepted_histogram[depth] += count
         self.num_rounds += other.num_rounds
+        for shape, count in other.rounds_by_shape.items():
+            self.count_shape(shape, count)
         self.prefill_seconds += other.prefill_seconds
         self.round_seconds += other.round_seconds
         self.per_request.extend(other.per_request)
+
+    def count_shape(self, shape: str, num_rounds: int = 1) -> None:
+        """Count rounds that ran the shape tagged `shape`."""
+        self.rounds_by_shape[shape] = self.rounds_by_shape.get(shape, 0) + num_rounds
 
     @property
     def mean_accepted_length(self) -> float:
@@ -72,8 +80,9 @@ class EngineStats:
     decode_seconds: wall time while some request was admitted or running; prefill_seconds
     and round_seconds: GPU time on CUDA (wall time on the CPU) of prefills and rounds, so
     1 - (prefill_seconds + round_seconds) / decode_seconds is the share of busy wall time the
-    device waited for the host. rounds_by_bucket: rounds per bucket and variant tag
-    ("4" greedy or plain sampling, "4f" top-k/top-p, "4s" stochastic tree).
+    device waited for the host. rounds_by_bucket: rounds per "bucket:round", the round being its
+    tree and variant (RoundVariant.tag: "4:plain", "4:6,8,40", "4:6,8,40f" top-k/top-p,
+    "4:6,8,40s" stochastic).
     """
 
     num_requests: int = 0

@@ -75,10 +75,13 @@ class _EngineCollector(Collector):
         ):  # fmt: skip
             yield CounterMetricFamily(name, text, value=value)
         rounds = CounterMetricFamily(
-            "specrun_rounds", "Rounds run, per bucket and variant.", labels=["bucket"]
+            "specrun_rounds",
+            "Rounds run, per bucket and round (tree D,K,N or plain; f: top-k/top-p, s: "
+            "stochastic).",
+            labels=["bucket", "round"],
         )
         for key, count in sorted(stats.rounds_by_bucket.items()):
-            rounds.add_metric([key], count)
+            rounds.add_metric(key.split(":", 1), count)
         yield rounds
         yield _accepted_length(stats.accepted_histogram)
 

@@ -94,11 +94,18 @@ class TargetAsDraft(torch.nn.Module):
     def to_target_ids(self, draft_ids):
         return draft_ids
 
+    def trunk(self, tokens, features, positions, attn):
+        out = self.target(tokens, positions, attn)
+        return out.hidden, out.k_new, out.v_new
+
+    def logits(self, hidden):
+        return self.target.logits(hidden)
+
     def forward(self, tokens, features, positions, attn):
         from specrun.models.eagle import DraftOutput
 
-        out = self.target(tokens, positions, attn)
-        return DraftOutput(out.hidden, self.target.logits(out.hidden), out.k_new, out.v_new)
+        hidden, k_new, v_new = self.trunk(tokens, features, positions, attn)
+        return DraftOutput(hidden, self.logits(hidden), k_new, v_new)
 
 
 def targets_with_heads() -> dict[str, tuple[Llama, torch.nn.Module | None]]:

@@ -35,7 +35,7 @@ from ..models.config import DraftConfig, LlamaConfig
 from ..models.eagle import DraftHead, build_draft
 from ..models.llama import Llama
 from ..runtime.config import EngineConfig, SamplingParams
-from ..runtime.decoder import Decoder, RoundVariant
+from ..runtime.decoder import Decoder
 from ..runtime.graphs import CudaGraphRunner, compile_step
 from ..runtime.reports import ReportReader
 from ..runtime.round import SpecState, draft_phase
@@ -266,6 +266,7 @@ def bench_bucket(
         max_seq_len=context + (3 * num_rounds + 8) * (depth + 1),
         compile=True,
         cuda_graphs=True,
+        policy="fixed",
     )
     decoder = Decoder(target, head if tree is not None else None, config)
     state = decoder.state(bucket)
@@ -276,7 +277,7 @@ def bench_bucket(
     )  # fmt: skip
     refill()
     started = time.perf_counter()
-    variant = RoundVariant(stochastic=stochastic)
+    variant = decoder.variant_for(bucket, [SamplingParams(temperature=float(stochastic))])
     warmup = decoder.prepare(bucket, variant=variant, prefill=False)
     run = decoder.round_runner(bucket, variant=variant)
     point = {

@@ -76,7 +76,7 @@ def test_state_is_reset_between_batches_and_after_an_abandoned_stream(target):
 def test_preparing_exempts_what_it_built_from_garbage_collection(target):
     """What compiling leaves alive is frozen (decoder.settle_heap), so no later full
     collection scans it; preparing again builds nothing and leaves the heap alone."""
-    decoder = _decoder(target, compile=True)
+    decoder = _decoder(target, compile=True, policy="fixed")
     gc.unfreeze()
     decoder.prepare(1)
     frozen = gc.get_freeze_count()
@@ -90,28 +90,50 @@ def test_preparing_exempts_what_it_built_from_garbage_collection(target):
 
 
 def test_round_variants_follow_the_requests_and_the_buckets_trees(target):
-    """A stochastic bucket has a greedy round, a sampled one and a top-k/top-p one; other
-    buckets have no stochastic variant whatever the requests; warm-up builds exactly them."""
-    trees = {1: TreeShape(3, 2, 5, stochastic=True), 2: TreeShape(2, 2, 4), 4: None}
-    decoder = _decoder(target, trees=trees)
+    """With the fixed policy a stochastic bucket has a greedy round (its top-k tree), a
+    sampled one and a top-k/top-p one; other buckets have no stochastic variant whatever the
+    requests; a plain bucket of a decoder that speculates elsewhere keeps the draft in step at
+    both pending widths; warm-up builds exactly these."""
+    stochastic_tree = TreeShape(3, 2, 5, stochastic=True)
+    top_k_tree, shallow = TreeShape(3, 2, 5), TreeShape(2, 2, 4)
+    decoder = _decoder(target, trees={1: stochastic_tree, 2: shallow, 4: None}, policy="fixed")
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
     filtered = SamplingParams(temperature=0.7, top_p=0.9)
-    stochastic = RoundVariant(stochastic=True)
-    assert decoder.variant_for(1, [greedy, greedy]) == RoundVariant()
+    stochastic = RoundVariant(tree=stochastic_tree)
+    assert decoder.variant_for(1, [greedy, greedy]) == RoundVariant(tree=top_k_tree)
     assert decoder.variant_for(1, [greedy, sampled]) == stochastic
-    assert decoder.variant_for(1, [filtered]) == RoundVariant(filtered=True, stochastic=True)
-    assert decoder.variant_for(2, [greedy, sampled]) == RoundVariant()
+    assert decoder.variant_for(1, [filtered]) == RoundVariant(tree=stochastic_tree, filtered=True)
+    assert decoder.variant_for(2, [greedy, sampled]) == RoundVariant(tree=shallow)
     assert decoder.variant_for(4, [filtered]) == RoundVariant(filtered=True)
-    assert decoder.variants(1) == [RoundVariant(), stochastic]
-    assert decoder.variants(2, filtered=True) == [RoundVariant(), RoundVariant(filtered=True)]
+    assert decoder.variants(1) == [RoundVariant(tree=top_k_tree), stochastic]
+    assert decoder.variants(2, filtered=True) == [
+        RoundVariant(tree=shallow),
+        RoundVariant(tree=shallow, filtered=True),
+    ]
+    plain = [RoundVariant(num_pending=4), RoundVariant(num_pending=1)]  # depth 3: 4 wide
+    assert decoder.variants(4) == plain
     assert set(decoder.warmup()) == {
-        (1, RoundVariant()),
+        (1, RoundVariant(tree=top_k_tree)),
         (1, stochastic),
-        (2, RoundVariant()),
-        (4, RoundVariant()),
+        (2, RoundVariant(tree=shallow)),
+        *((4, variant) for variant in plain),
     }
-    with pytest.raises(ValueError, match="not stochastic"):
+    with pytest.raises(ValueError, match="runs none of"):
         decoder.prepare(2, variant=stochastic)
+
+
+def test_an_adaptive_policy_builds_each_buckets_ladder(target):
+    """Under the cost policy every bucket may run its tree, smaller ones and plain decoding;
+    plain rounds keep the draft in step; a plain-only decoder (no head) has no ladder."""
+    decoder = _decoder(target)
+    assert decoder.shapes(1) == (TreeShape(4, 3, 10), TreeShape(3, 2, 4), TreeShape(2, 2, 3), None)
+    assert decoder.shapes(4) == (None,)
+    greedy = [SamplingParams()]
+    assert [v.tree for v in decoder.candidates(1, greedy)] == list(decoder.shapes(1))
+    assert RoundVariant(num_pending=5) in decoder.launchable(1, greedy)
+    assert RoundVariant(num_pending=1) in decoder.launchable(1, greedy)
+    plain = Decoder(target, None, EngineConfig(device="cpu", buckets=(1, 2)))
+    assert plain.shapes(1) == (None,) and plain.launchable(2, greedy) == [RoundVariant()]
 
 
 def test_greedy_batches_run_a_stochastic_bucket_as_its_top_k_tree(target, monkeypatch):

@@ -21,6 +21,7 @@ CONFIG = EngineConfig(
     buckets=(1, 2, 4),
     trees={1: TreeShape(DEPTH, 3, 8), 2: TreeShape(DEPTH, 3, 8)},
     max_seq_len=512,
+    policy="fixed",
 )
 
 
@@ -62,7 +63,9 @@ def test_generate_stream_and_speculation_agree(engine, spec_engine):
     stats = spec_engine.stats()
     assert stats.num_requests == 2
     assert stats.num_generated_tokens == sum(len(o.token_ids) for o in spec)
-    assert stats.num_rounds == max(o.stats.num_rounds for o in spec)
+    # The loop may start the first request before the second is submitted.
+    rounds = [o.stats.num_rounds for o in spec]
+    assert max(rounds) <= stats.num_rounds <= sum(rounds)
     assert len(stats.accepted_histogram) == DEPTH + 1
     assert sum(stats.accepted_histogram) == sum(o.stats.num_rounds for o in spec)
     accepted = sum(a * n for a, n in enumerate(stats.accepted_histogram))

@@ -64,7 +64,7 @@ def test_requests_across_bucket_boundaries_need_no_compile_or_capture():
         torch.cuda.set_sync_debug_mode("default")
     assert {name: s.num_compiles for name, s in decoder.compiled_steps().items()} == num_compiles
     assert len(decoder._runner.graphs) == num_graphs
-    assert set(scheduler.stats().rounds_by_bucket) >= {"1", "2", "4"}
+    assert {key.split(":")[0] for key in scheduler.stats().rounds_by_bucket} >= {"1", "2", "4"}
     with torch.inference_mode():
         for index, (prompt, max_new, sampled, _) in enumerate(REQUESTS):
             [want] = reference_generate(target, [prompt], _params(max_new, sampled, index))

@@ -1,0 +1,149 @@
+"""What the adaptive speculation policies decide from: each request's acceptance estimate and
+each round's measured cost.
+
+Acceptance model. A request's draft is summarised by its chain acceptance alpha: the chance
+that a level of a one-wide chain is accepted, given the levels above it were. A tree level
+offers about w = min(K, (N - 1) / D) candidates, and is accepted when one of them is, so its
+acceptance is a = 1 - (1 - alpha)^w, and the accepted length of a depth-D tree is
+sum_{d=1..D} a^d (levels accepted one after another, as the walk goes). Every speculative
+round refines alpha from what the request accepted under the shape it ran (a smoothed
+per-level rate mapped back through the width); plain rounds say nothing about it.
+
+Costs are seconds per round, per (bucket, round variant): a moving average of the rounds the
+host has read (GPU time on CUDA), seeded from a measured profile when there is one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from .tree import StaticTree, TreeShape
+
+# The chain acceptance assumed for a request before any of its rounds speculated, while the
+# engine has seen none either.
+PRIOR_ALPHA = 0.6
+# Weight of one round in a request's running alpha.
+ALPHA_RATE = 0.3
+# Weight of one round in a round cost's moving average.
+COST_RATE = 0.2
+
+
+def level_width(tree: TreeShape | StaticTree) -> float:
+    """Candidates a level of the tree offers the walk, on average (at least 1)."""
+    per_level = (tree.num_nodes - 1) / tree.depth
+    if isinstance(tree, TreeShape):
+        per_level = min(tree.topk, per_level)
+    return max(1.0, per_level)
+
+
+def expected_accepted(alpha: float, tree: TreeShape | StaticTree | None) -> float:
+    """Expected accepted draft tokens per round of a request with chain acceptance `alpha`
+    (module docstring); 0 for plain decoding."""
+    if tree is None:
+        return 0.0
+    level = 1.0 - (1.0 - alpha) ** level_width(tree)
+    return sum(level**d for d in range(1, tree.depth + 1))
+
+
+def chain_acceptance(level: float, width: float) -> float:
+    """Inverse of the level acceptance: the alpha that gives a level of `width` candidates
+    acceptance `level`."""
+    return 1.0 - (1.0 - level) ** (1.0 / width)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """One request's acceptance: its chain acceptance `alpha`, and the history the simpler
+    policies read (the last round's accepted tokens and depth, a moving average of accepted
+    tokens per speculative round).
+
+    alpha: starts at the engine's running mean (`AcceptanceBook.prior`).
+    """
+
+    alpha: float = PRIOR_ALPHA
+    num_rounds: int = 0
+    num_speculative_rounds: int = 0
+    rounds_since_speculation: int = 0
+    last_accepted: int = 0
+    last_depth: int = 0
+    mean_accepted: float = 0.0
+
+    def observe(self, tree: TreeShape | StaticTree | None, num_accepted: int) -> None:
+        """Record one round that ran `tree` (None: plain) and accepted `num_accepted` drafts."""
+        self.num_rounds += 1
+        if tree is None:
+            self.rounds_since_speculation += 1
+            return
+        self.rounds_since_speculation = 0
+        self.num_speculative_rounds += 1
+        self.last_accepted, self.last_depth = num_accepted, tree.depth
+        self.mean_accepted = (
+            num_accepted
+            if self.num_speculative_rounds == 1
+            else _blend(self.mean_accepted, num_accepted, ALPHA_RATE)
+        )
+        # One round of a depth-D walk is `accepted` level successes and one failure unless it
+        # went all the way; smoothed by one pseudo-trial at the current estimate.
+        width = level_width(tree)
+        prior_level = 1.0 - (1.0 - self.alpha) ** width
+        failures = 1 if num_accepted < tree.depth else 0
+        level = (num_accepted + prior_level) / (num_accepted + failures + 1)
+        self.alpha = _blend(self.alpha, chain_acceptance(level, width), ALPHA_RATE)
+
+    def expected(self, tree: TreeShape | StaticTree | None) -> float:
+        """Expected accepted draft tokens of one round of `tree` (0 for plain)."""
+        return expected_accepted(self.alpha, tree)
+
+
+@dataclass
+class AcceptanceBook:
+    """The estimates of the requests decoding, and the engine's running mean alpha that new
+    requests start from."""
+
+    prior: float = PRIOR_ALPHA
+    estimates: dict[Hashable, AcceptanceEstimate] = field(default_factory=dict)
+
+    def get(self, request: Hashable) -> AcceptanceEstimate:
+        """The request's estimate (a new one starts at the engine's prior)."""
+        if request not in self.estimates:
+            self.estimates[request] = AcceptanceEstimate(alpha=self.prior)
+        return self.estimates[request]
+
+    def observe(
+        self, request: Hashable, tree: TreeShape | StaticTree | None, num_accepted: int
+    ) -> None:
+        estimate = self.get(request)
+        estimate.observe(tree, num_accepted)
+        if tree is not None:
+            self.prior = _blend(self.prior, estimate.alpha, 0.05)
+
+    def forget(self, request: Hashable) -> None:
+        """Drop a finished request's estimate."""
+        self.estimates.pop(request, None)
+
+
+class RoundCosts:
+    """Seconds per round by (bucket, variant key): a moving average of measured rounds, over
+    the values of a profile when one was loaded."""
+
+    def __init__(self, seeded: dict[tuple[int, Hashable], float] | None = None) -> None:
+        self._seconds: dict[tuple[int, Hashable], float] = dict(seeded or {})
+
+    def get(self, bucket: int, key: Hashable) -> float | None:
+        """The round's cost in seconds, or None if it never ran and no profile gave it."""
+        return self._seconds.get((bucket, key))
+
+    def observe(self, bucket: int, key: Hashable, seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        old = self._seconds.get((bucket, key))
+        self._seconds[(bucket, key)] = seconds if old is None else _blend(old, seconds, COST_RATE)
+
+    def items(self) -> list[tuple[tuple[int, Hashable], float]]:
+        return sorted(self._seconds.items(), key=lambda item: repr(item[0]))
+
+
+def _blend(old: float, new: float, rate: float) -> float:
+    return (1.0 - rate) * old + rate * new

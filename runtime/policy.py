@@ -1,0 +1,224 @@
+"""Speculation policies: before each round, which of the bucket's captured tree shapes (plain
+decoding included) the batch runs.
+
+Each bucket has a ladder of candidate shapes (`tree_ladder`): its configured tree, a tree of
+half its depth and width, a small tree, and plain decoding. Every candidate is a whole round
+compiled (and on CUDA captured) for the bucket, so switching costs nothing; the Decoder keeps
+the draft cache in step through plain rounds, so any round may speculate again.
+
+Policies, by `EngineConfig.policy` name:
+- `fixed`: the configured tree, every round (no other shape is built).
+- `cost` (the default): the shape that maximises expected tokens per second, the sum over
+  live requests of (1 + expected accepted drafts) divided by the round's measured seconds
+  (runtime/acceptance.py); a shape never measured runs once first. Hysteresis: the current
+  shape stays unless another beats it by `HYSTERESIS`. While plain decoding wins, the
+  smallest tree runs one round in `EXPLORE_EVERY` so that acceptance estimates stay current.
+- `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
+  per request-round over the last `WINDOW` falls below `CUTOFF`, then plain decoding for
+  good (TensorRT-LLM's rule; vLLM's table without the cut-off).
+- `ema`: a moving average of the batch's accepted drafts picks the shallowest tree at least
+  one level deeper (SGLang's rule, over trees instead of chains); never plain.
+- `gammatune`: a target depth that grows by one after a round whose rows all accepted every
+  level, and otherwise falls halfway to what was accepted; the tree nearest it; never plain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Sequence
+from typing import ClassVar, Protocol
+
+from .acceptance import AcceptanceEstimate, RoundCosts
+from .tree import StaticTree, TreeShape
+
+HYSTERESIS = 0.05
+EXPLORE_EVERY = 16
+WINDOW, CUTOFF = 256, 0.5
+EMA_RATE = 0.2
+
+
+class Candidate(Protocol, Hashable):
+    """A round a bucket can run: its tree (None: plain decoding)."""
+
+    tree: TreeShape | StaticTree | None
+
+
+def tree_ladder(tree: TreeShape | StaticTree | None) -> tuple[TreeShape | StaticTree | None, ...]:
+    """The shapes an adaptive policy chooses among for a bucket configured with `tree`: the
+    tree, then, largest first, one of about half its depth and width with a third of its
+    nodes and a small (3, 2, 4) tree (both no larger than it), and plain decoding (None)."""
+    if tree is None:
+        return (None,)
+    if isinstance(tree, StaticTree):
+        return (tree, None)
+    half_depth, half_topk = -(-tree.depth // 2), -(-tree.topk // 2)
+    most_nodes = 1 + half_topk + (half_depth - 1) * half_topk**2
+    half_nodes = min(max(half_depth + 1, tree.num_nodes // 3), most_nodes)
+    half = TreeShape(half_depth, half_topk, half_nodes, tree.stochastic)
+    small_depth = min(3, tree.depth)
+    small = TreeShape(small_depth, min(2, tree.topk), small_depth + 1, tree.stochastic)
+    smaller = sorted({half, small} - {tree}, key=lambda t: (t.num_nodes, t.depth), reverse=True)
+    return (tree, *smaller, None)
+
+
+class Policy:
+    """Chooses one of a bucket's candidates before each round (`choose`) and hears every
+    round's accepted drafts per live row (`observe`)."""
+
+    name: ClassVar[str]
+
+    def choose(
+        self,
+        bucket: int,
+        candidates: Sequence[Candidate],
+        requests: Sequence[AcceptanceEstimate],
+        costs: RoundCosts,
+    ) -> Candidate:
+        raise NotImplementedError
+
+    def observe(self, bucket: int, candidate: Candidate, accepted: Sequence[int]) -> None:
+        """One round's accepted draft tokens of its live rows."""
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the policy chooses among several shapes (False: only the first is built)."""
+        return True
+
+
+class FixedPolicy(Policy):
+    name = "fixed"
+
+    def choose(self, bucket, candidates, requests, costs):
+        return candidates[0]
+
+    @property
+    def adaptive(self) -> bool:
+        return False
+
+
+class CostPolicy(Policy):
+    name = "cost"
+
+    def __init__(self) -> None:
+        self._current: dict[int, Candidate] = {}
+        self._plain_streak: dict[int, int] = {}
+
+    def choose(self, bucket, candidates, requests, costs):
+        unmeasured = [c for c in candidates if costs.get(bucket, c) is None]
+        if unmeasured:
+            return self._ran(bucket, unmeasured[0])
+        rates = {c: _tokens_per_second(c, requests, costs.get(bucket, c)) for c in candidates}
+        best = max(candidates, key=rates.__getitem__)
+        current = self._current.get(bucket)
+        if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
+            best = current
+        if best.tree is None and self._plain_streak.get(bucket, 0) >= EXPLORE_EVERY:
+            speculative = [c for c in candidates if c.tree is not None]
+            if speculative:
+                return self._ran(bucket, speculative[-1], explored=True)
+        return self._ran(bucket, best)
+
+    def _ran(self, bucket: int, candidate: Candidate, *, explored: bool = False) -> Candidate:
+        if not explored:
+            self._current[bucket] = candidate
+        plain = candidate.tree is None
+        self._plain_streak[bucket] = self._plain_streak.get(bucket, 0) + 1 if plain else 0
+        return candidate
+
+
+def _tokens_per_second(
+    candidate: Candidate, requests: Sequence[AcceptanceEstimate], seconds: float
+) -> float:
+    return sum(1.0 + r.expected(candidate.tree) for r in requests) / seconds
+
+
+class BatchTablePolicy(Policy):
+    name = "batch-table"
+
+    def __init__(self) -> None:
+        self._window: deque[int] = deque(maxlen=WINDOW)
+        self.switched_off = False
+
+    def choose(self, bucket, candidates, requests, costs):
+        if self.switched_off:
+            return _plain_or_first(candidates)
+        return candidates[0]
+
+    def observe(self, bucket, candidate, accepted):
+        if candidate.tree is None or self.switched_off:
+            return
+        self._window.extend(accepted)
+        full = len(self._window) == self._window.maxlen
+        if full and sum(self._window) / len(self._window) < CUTOFF:
+            self.switched_off = True
+
+
+class EmaPolicy(Policy):
+    name = "ema"
+
+    def __init__(self) -> None:
+        self._mean: float | None = None
+
+    def choose(self, bucket, candidates, requests, costs):
+        speculative = [c for c in candidates if c.tree is not None] or list(candidates)
+        if self._mean is None:
+            return speculative[0]
+        return _nearest_depth(speculative, math.ceil(self._mean) + 1, above=True)
+
+    def observe(self, bucket, candidate, accepted):
+        if candidate.tree is None or not accepted:
+            return
+        mean = sum(accepted) / len(accepted)
+        self._mean = mean if self._mean is None else (1 - EMA_RATE) * self._mean + EMA_RATE * mean
+
+
+class GammaTunePolicy(Policy):
+    name = "gammatune"
+
+    def __init__(self) -> None:
+        self._gamma: float | None = None
+
+    def choose(self, bucket, candidates, requests, costs):
+        speculative = [c for c in candidates if c.tree is not None] or list(candidates)
+        if self._gamma is None:
+            return speculative[0]
+        return _nearest_depth(speculative, self._gamma, above=False)
+
+    def observe(self, bucket, candidate, accepted):
+        if candidate.tree is None or not accepted:
+            return
+        depth = candidate.tree.depth
+        gamma = depth if self._gamma is None else self._gamma
+        if min(accepted) >= depth:
+            self._gamma = gamma + 1
+        else:
+            self._gamma = max(1.0, (gamma + sum(accepted) / len(accepted)) / 2)
+
+
+def _plain_or_first(candidates: Sequence[Candidate]) -> Candidate:
+    return next((c for c in candidates if c.tree is None), candidates[0])
+
+
+def _nearest_depth(candidates: Sequence[Candidate], depth: float, *, above: bool) -> Candidate:
+    """The candidate whose depth is nearest `depth`; with `above`, the shallowest at least
+    that deep (else the deepest)."""
+    if above:
+        deep_enough = [c for c in candidates if c.tree.depth >= depth]
+        if deep_enough:
+            return min(deep_enough, key=lambda c: c.tree.depth)
+        return max(candidates, key=lambda c: c.tree.depth)
+    return min(candidates, key=lambda c: (abs(c.tree.depth - depth), c.tree.depth))
+
+
+POLICIES: dict[str, type[Policy]] = {
+    policy.name: policy
+    for policy in (CostPolicy, FixedPolicy, BatchTablePolicy, EmaPolicy, GammaTunePolicy)
+}
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy by name (config.POLICY_NAMES)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown speculation policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name]()
