@@ -1,0 +1,127 @@
+"""Rounds whose shape changes every round (a policy that picks at random among the bucket's
+ladder, plain rounds at both pending widths included) decode exactly what the reference
+decoder does, keep the draft in step through plain rounds, and sample seeded requests as the
+reference does (top-k trees)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specrun.runtime.config import EngineConfig, SamplingParams
+from specrun.runtime.decoder import Decoder
+from specrun.runtime.policy import Policy
+from specrun.runtime.reference import reference_generate
+from specrun.runtime.stats import DecodeStats
+from specrun.runtime.tree import TreeShape
+from tiny_models import TargetAsDraft, decode_tokens, random_head, random_llama, tiny_config
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12]]
+TREES = {1: TreeShape(4, 3, 10), 2: TreeShape(3, 2, 6), 4: TreeShape(2, 2, 4)}
+
+
+class ShuffledPolicy(Policy):
+    """Any candidate, at random; remembers each round's shape and accepted drafts."""
+
+    name = "shuffled"
+
+    def __init__(self, seed: int) -> None:
+        self._random = random.Random(seed)
+        self.observed: list[tuple[TreeShape | None, list[int]]] = []
+
+    def choose(self, bucket, candidates, requests, costs):
+        return self._random.choice(candidates)
+
+    def observe(self, bucket, candidate, accepted):
+        self.observed.append((candidate.tree, list(accepted)))
+
+
+def _decoder(target, head, seed: int) -> tuple[Decoder, ShuffledPolicy]:
+    config = EngineConfig(device="cpu", buckets=(1, 2, 4), trees=TREES, max_seq_len=128)
+    decoder = Decoder(target, head, config)
+    decoder.policy = ShuffledPolicy(seed)
+    return decoder, decoder.policy
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_llama(tiny_config(), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["perfect", "eagle3", "eagle1"])
+@pytest.mark.parametrize("num_prompts", [1, 3])
+def test_greedy_decoding_with_shapes_changing_every_round_is_the_reference(
+    target, kind, num_prompts
+):
+    head = TargetAsDraft(target) if kind == "perfect" else random_head(kind, target)
+    decoder, policy = _decoder(target, head, seed=num_prompts)
+    params = [SamplingParams(max_new_tokens=n) for n in (30, 17, 23)][:num_prompts]
+    stats = DecodeStats()
+    got, _ = decode_tokens(decoder, PROMPTS[:num_prompts], params, stats=stats)
+    want = reference_generate(target, PROMPTS[:num_prompts], params)
+    assert got == [w.token_ids for w in want]
+    assert "plain" in stats.rounds_by_shape and len(stats.rounds_by_shape) >= 3
+    ran = [tree for tree, _ in policy.observed]
+    plain_after_plain = any(a is None and b is None for a, b in zip(ran, ran[1:], strict=False))
+    assert plain_after_plain and any(tree is not None for tree in ran)
+
+
+def test_the_draft_stays_in_step_through_plain_rounds(target):
+    """A perfect draft of a peaked target accepts every level of every speculative round,
+    however many plain rounds came before it: plain rounds commit exactly the pairs the draft
+    would have seen (the request's last round aside, cut by max_new_tokens)."""
+    peaked = random_llama(tiny_config(vocab_size=61, num_layers=2), dtype=torch.float64)
+    with torch.no_grad():
+        peaked.lm_head.weight.mul_(30.0)
+    decoder, policy = _decoder(peaked, TargetAsDraft(peaked), seed=7)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    got, _ = decode_tokens(decoder, [[1, 2, 3]], [params])
+    assert got == [reference_generate(peaked, [[1, 2, 3]], [params])[0].token_ids]
+    speculative = [(tree, accepted) for tree, accepted in policy.observed if tree is not None]
+    assert len(speculative) >= 5 and len(speculative) < len(policy.observed)
+    for tree, accepted in speculative[:-1]:
+        assert accepted == [tree.depth], policy.observed
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_plain_rounds_leave_the_draft_cache_as_speculation_alone_does(target, kind):
+    """Whatever mix of shapes ran, the draft cache holds exactly the pairs the fixed tree
+    leaves (one entry per committed position but the pending ones)."""
+    head = random_head(kind, target)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (26, 19)]
+    states = []
+    for policy in ("shuffled", "fixed"):
+        config = EngineConfig(
+            device="cpu", buckets=(2,), trees=TREES, max_seq_len=128, policy="fixed"
+        )
+        decoder = Decoder(target, head, config)
+        if policy == "shuffled":
+            decoder = _decoder(target, head, seed=3)[0]
+        decode_tokens(decoder, PROMPTS[:2], params)
+        states.append(decoder.state(2))
+    shuffled, fixed = states
+    for state in states:
+        assert torch.equal(state.draft.lengths + state.pending.num_valid, state.target.lengths)
+    assert torch.equal(shuffled.draft.lengths, fixed.draft.lengths)
+    for row, length in enumerate(fixed.draft.lengths.tolist()):
+        for name in ("k", "v"):
+            torch.testing.assert_close(
+                getattr(shuffled.draft, name)[:, row, :, :length],
+                getattr(fixed.draft, name)[:, row, :, :length],
+            )
+
+
+def test_seeded_sampling_with_shapes_changing_every_round_is_the_reference(target):
+    """Top-k trees verify sampled requests with the target's own keyed draws, so whatever the
+    shape sequence a seeded request samples exactly the reference decoder's tokens."""
+    head = random_head("eagle3", target)
+    params = [
+        SamplingParams(temperature=t, top_p=p, max_new_tokens=20, seed=s, ignore_eos=True)
+        for t, p, s in ((1.0, 1.0, 3), (0.7, 0.9, 12), (1.3, 1.0, 5))
+    ]
+    want = [g.token_ids for g in reference_generate(target, PROMPTS[:3], params)]
+    for seed in (1, 2):
+        decoder, _ = _decoder(target, head, seed=seed)
+        assert decode_tokens(decoder, PROMPTS[:3], params)[0] == want

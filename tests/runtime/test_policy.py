@@ -1,0 +1,160 @@
+"""Speculation policies and the acceptance model they read, on the host alone: given round
+costs and acceptance histories, which shape each policy picks, and that it does not flap.
+Losslessness under shapes changing between rounds: tests/runtime/test_adaptive_rounds.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrun.runtime.acceptance import (
+    AcceptanceBook,
+    AcceptanceEstimate,
+    RoundCosts,
+    chain_acceptance,
+    expected_accepted,
+    level_width,
+)
+from specrun.runtime.config import POLICY_NAMES, EngineConfig
+from specrun.runtime.decoder import RoundVariant
+from specrun.runtime.policy import (
+    EXPLORE_EVERY,
+    POLICIES,
+    CostPolicy,
+    make_policy,
+    tree_ladder,
+)
+from specrun.runtime.tree import TreeShape
+
+DEEP = TreeShape(6, 8, 40)
+LADDER = [RoundVariant(tree=tree) for tree in tree_ladder(DEEP)]
+PLAIN = LADDER[-1]
+# Seconds per round at batch 1 on a GPU-like device: the deep tree costs 2.2 plain steps.
+GPU_COSTS = {DEEP: 2.2, LADDER[1].tree: 1.6, LADDER[2].tree: 1.4, None: 1.0}
+
+
+def _costs(seconds_by_tree: dict) -> RoundCosts:
+    costs = RoundCosts()
+    for variant in LADDER:
+        costs.observe(1, variant, seconds_by_tree[variant.tree])
+    return costs
+
+
+def _estimate(alpha: float) -> AcceptanceEstimate:
+    return AcceptanceEstimate(alpha=alpha)
+
+
+def test_the_policy_names_are_the_configs():
+    assert set(POLICIES) == set(POLICY_NAMES)
+    for name in POLICY_NAMES:
+        assert make_policy(name).name == name
+    with pytest.raises(ValueError, match="policy must be one of"):
+        EngineConfig(policy="greedy")
+
+
+def test_the_acceptance_model_is_monotone_and_inverts():
+    """Wider and deeper trees accept more of the same draft; a level's acceptance maps back
+    to the chain acceptance it came from."""
+    assert level_width(DEEP) == 6.5 and level_width(TreeShape(3, 2, 4)) == 1.0
+    for alpha in (0.1, 0.5, 0.9):
+        lengths = [expected_accepted(alpha, v.tree) for v in LADDER]
+        assert lengths == sorted(lengths, reverse=True) and lengths[-1] == 0.0
+        level = 1 - (1 - alpha) ** 3
+        assert chain_acceptance(level, 3) == pytest.approx(alpha)
+    assert expected_accepted(1.0, DEEP) == DEEP.depth
+
+
+def test_estimates_follow_what_requests_accept():
+    """A request that accepts every level drifts to alpha near 1, one that accepts nothing to
+    near 0; plain rounds leave alpha alone; new requests start at the engine's running mean."""
+    book = AcceptanceBook()
+    plain_alpha = book.get("plain").alpha
+    for _ in range(30):
+        book.observe("good", DEEP, DEEP.depth)
+        book.observe("bad", DEEP, 0)
+        book.observe("plain", None, 0)
+    assert book.get("good").alpha > 0.9 and book.get("bad").alpha < 0.1
+    assert book.get("plain").alpha == plain_alpha
+    assert book.get("plain").rounds_since_speculation == 30
+    assert 0.1 < book.get("newcomer").alpha < 0.9
+    book.forget("good")
+    assert "good" not in book.estimates
+
+
+def test_cost_measures_every_shape_once_then_follows_acceptance():
+    policy = CostPolicy()
+    costs = RoundCosts()
+    high = [_estimate(0.9)]
+    tried = []
+    for _ in LADDER:
+        chosen = policy.choose(1, LADDER, high, costs)
+        tried.append(chosen)
+        costs.observe(1, chosen, GPU_COSTS[chosen.tree])
+    assert tried == LADDER
+    assert policy.choose(1, LADDER, high, costs) == LADDER[0]
+    # Acceptance falls: plain decoding wins.
+    assert CostPolicy().choose(1, LADDER, [_estimate(0.05)], _costs(GPU_COSTS)) == PLAIN
+
+
+def test_cost_picks_plain_on_a_slow_draft_and_small_trees_in_between():
+    """On a CPU-like device where a draft step costs a third of a target step the deep tree
+    never pays, and moderate acceptance picks a small tree over plain decoding."""
+    cpu_costs = {DEEP: 9.0, LADDER[1].tree: 3.5, LADDER[2].tree: 1.9, None: 1.0}
+    assert CostPolicy().choose(1, LADDER, [_estimate(0.1)], _costs(cpu_costs)) == PLAIN
+    assert CostPolicy().choose(1, LADDER, [_estimate(0.8)], _costs(cpu_costs)) == LADDER[2]
+
+
+def test_cost_does_not_flap_around_a_threshold():
+    """Acceptance wobbling around the point where two shapes tie switches at most once."""
+    costs = _costs(GPU_COSTS)
+    tie = next(
+        a / 1000
+        for a in range(1, 1000)
+        if (1 + expected_accepted(a / 1000, LADDER[2].tree)) / GPU_COSTS[LADDER[2].tree]
+        >= 1 / GPU_COSTS[None]
+    )
+    policy = CostPolicy()
+    chosen = [
+        policy.choose(1, LADDER, [_estimate(tie + wobble)], costs)
+        for wobble in [0.01, -0.01] * 20
+    ]
+    switches = sum(a != b for a, b in zip(chosen, chosen[1:], strict=False))
+    assert switches <= 1, [c.tree for c in chosen]
+
+
+def test_cost_explores_while_plain_wins():
+    """While plain decoding wins the smallest tree still runs one round in EXPLORE_EVERY."""
+    policy, costs = CostPolicy(), _costs(GPU_COSTS)
+    chosen = [policy.choose(1, LADDER, [_estimate(0.02)], costs) for _ in range(4 * EXPLORE_EVERY)]
+    explored = [c for c in chosen if c != PLAIN]
+    assert explored and all(c == LADDER[-2] for c in explored)
+    assert len(explored) <= 4
+
+
+def test_batch_table_switches_off_for_good_below_its_cutoff():
+    policy = make_policy("batch-table")
+    assert policy.choose(1, LADDER, [], RoundCosts()) == LADDER[0]
+    for _ in range(300):
+        policy.observe(1, LADDER[0], [0])
+    assert policy.choose(1, LADDER, [], RoundCosts()) == PLAIN
+    for _ in range(300):
+        policy.observe(1, LADDER[0], [6])
+    assert policy.choose(1, LADDER, [], RoundCosts()) == PLAIN
+
+
+def test_ema_and_gammatune_follow_accepted_lengths_and_never_pick_plain():
+    for name in ("ema", "gammatune"):
+        policy = make_policy(name)
+        assert policy.choose(1, LADDER, [], RoundCosts()) == LADDER[0]
+        for _ in range(40):
+            policy.observe(1, LADDER[0], [0, 1, 0])
+        low = policy.choose(1, LADDER, [], RoundCosts())
+        assert low.tree is not None and low.tree.depth < DEEP.depth, name
+        for _ in range(40):
+            policy.observe(1, low, [low.tree.depth] * 3)
+        assert policy.choose(1, LADDER, [], RoundCosts()) == LADDER[0], name
+
+
+def test_fixed_runs_the_configured_tree():
+    policy = make_policy("fixed")
+    assert not policy.adaptive
+    assert policy.choose(1, LADDER, [_estimate(0.0)], _costs(GPU_COSTS)) == LADDER[0]
