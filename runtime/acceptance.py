@@ -126,17 +126,24 @@ class AcceptanceBook:
 
 class RoundCosts:
     """Seconds per round by (bucket, variant key): a moving average of measured rounds, over
-    the values of a profile when one was loaded."""
+    the values of a profile when one was loaded. A round's first run is not counted (it may
+    pay one-time costs: lazy initialisation, allocator growth, a first compile)."""
 
     def __init__(self, seeded: dict[tuple[int, Hashable], float] | None = None) -> None:
         self._seconds: dict[tuple[int, Hashable], float] = dict(seeded or {})
+        self._num_seen: dict[tuple[int, Hashable], int] = {}
 
     def get(self, bucket: int, key: Hashable) -> float | None:
-        """The round's cost in seconds, or None if it never ran and no profile gave it."""
+        """The round's cost in seconds, or None until it has run twice (or a profile gave
+        it)."""
         return self._seconds.get((bucket, key))
 
     def observe(self, bucket: int, key: Hashable, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
+            return
+        seen = self._num_seen.get((bucket, key), 0)
+        self._num_seen[(bucket, key)] = seen + 1
+        if seen == 0:
             return
         old = self._seconds.get((bucket, key))
         self._seconds[(bucket, key)] = seconds if old is None else _blend(old, seconds, COST_RATE)

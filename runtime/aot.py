@@ -60,7 +60,7 @@ def expected_manifest(decoder: Decoder) -> Manifest:
         model=(target.config, tuple(target.tap_layers)),
         head=None if head is None else (type(head).__name__, head.config),
         buckets=config.buckets,
-        trees=[decoder.tree_for(bucket) for bucket in config.buckets],
+        trees=[decoder.shapes(bucket) for bucket in config.buckets],
         max_seq_len=config.max_seq_len,
         cuda_graphs=decoder.use_graphs,
     )
@@ -81,6 +81,8 @@ def compile_command(
     args += ["--device", config.device, "--dtype", config.dtype]
     if config.cuda_graphs is False:
         args.append("--no-cuda-graphs")
+    if config.policy != "cost":
+        args += ["--policy", config.policy]
     trees, table, note = dict(config.trees), dict(default_trees(draft)), ""
     if trees != table:
         shape = next(iter(trees.values()))

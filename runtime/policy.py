@@ -10,7 +10,7 @@ Policies, by `EngineConfig.policy` name:
 - `fixed`: the configured tree, every round (no other shape is built).
 - `cost` (the default): the shape that maximises expected tokens per second, the sum over
   live requests of (1 + expected accepted drafts) divided by the round's measured seconds
-  (runtime/acceptance.py); a shape never measured runs once first. Hysteresis: the current
+  (runtime/acceptance.py); a shape not yet measured runs first. Hysteresis: the current
   shape stays unless another beats it by `HYSTERESIS`. While plain decoding wins, the
   smallest tree runs one round in `EXPLORE_EVERY` so that acceptance estimates stay current.
 - `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts

@@ -14,6 +14,8 @@ memory floor, with the kernels a round launches.
 request throughput, output tokens/s, time to first token and inter-token latency percentiles
 at Poisson arrival rates or fixed concurrencies (tools/serve_bench.py).
 
+`specrun bench generate`: `specrun generate` per speculation policy and without a draft, on
+the first built-in held-out prompts (tools/generate_bench.py; any device).
 `specrun bench hf`: Hugging Face transformers `generate` on a real model at batch 1, the
 comparison point for `specrun eval`'s speculative and plain numbers on the same prompts.
 """
@@ -30,7 +32,7 @@ import torch
 
 from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig, stochastic_trees
 from ..runtime.tree import TreeShape
-from . import cold_start, serve_bench
+from . import cold_start, generate_bench, serve_bench
 from .decode_bench import SHAPES
 
 
@@ -94,6 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hf.set_defaults(func=run_hf)
     cold_start.register(subjects)
     serve_bench.register(subjects)
+    generate_bench.register(subjects)
 
 
 def _environment() -> dict:

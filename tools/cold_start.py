@@ -245,7 +245,7 @@ def _point(spec: dict, phase_done: Callable[[str], None]) -> dict:
         **marks,
         **steps,
         "bucket_prepare_s": {
-            f"{bucket}{variant.tag}": round(warmup.seconds, 3)
+            f"{bucket}:{variant.tag}": round(warmup.seconds, 3)
             for (bucket, variant), warmup in decoder.warmups.items()
         },
         **compile_counters(),

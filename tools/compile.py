@@ -41,7 +41,7 @@ from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stoch
 from ..runtime.decoder import Decoder
 from ..runtime.graphs import artifacts
 from ..runtime.tree import StaticTree, TreeShape
-from .generate import draft_dir
+from .generate import add_policy_argument, draft_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -67,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="make the trees stochastic (sampled drafts for requests that sample)",
     )  # fmt: skip
     parser.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len)
+    add_policy_argument(parser)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument(
@@ -114,6 +115,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_seq_len=args.max_seq_len,
         compile=True,
         cuda_graphs=False if args.no_cuda_graphs else None,
+        policy=args.policy,
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..models.default import resolve_draft
 from ..runtime.config import (
     DEFAULT_TREE,
+    POLICY_NAMES,
     EngineConfig,
     SamplingParams,
     default_trees,
@@ -32,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-draft", action="store_true", help="decode without speculation")
     add_tree_arguments(parser)
+    add_policy_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -54,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
     draft = draft_dir(args)
     trees = tree_table(args, draft=draft)
     config = EngineConfig(
-        device=args.device, dtype=args.dtype, chat_template=not args.raw, trees=trees
+        device=args.device,
+        dtype=args.dtype,
+        chat_template=not args.raw,
+        trees=trees,
+        policy=args.policy,
     )
     engine = Engine.from_pretrained(args.model, draft=draft, config=config)
     for delta in engine.stream(args.prompt, params):
@@ -92,6 +98,18 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
         "--stochastic",
         action="store_true",
         help="sampling requests draft by sampling from the head, verified by rejection sampling",
+    )
+
+
+def add_policy_argument(parser: argparse.ArgumentParser) -> None:
+    """--policy: how each round's tree is chosen (EngineConfig.policy)."""
+    parser.add_argument(
+        "--policy",
+        default="cost",
+        choices=POLICY_NAMES,
+        help="how each round picks its tree among the bucket's tree, smaller ones and plain "
+        "decoding: cost (expected tokens per measured second; default), fixed (the tree "
+        "only), batch-table, ema, gammatune",
     )
 
 

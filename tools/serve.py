@@ -19,7 +19,7 @@ from ..runtime.engine import Engine
 from ..runtime.tree import TreeShape
 from .compile import tree_option_table
 from .eval import parse_tree_shape
-from .generate import draft_dir
+from .generate import add_policy_argument, draft_dir
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--static-batches", action="store_true",
         help="admit requests only when none decodes (static batching, for comparison)",
     )  # fmt: skip
+    add_policy_argument(parser)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument(
@@ -115,6 +116,7 @@ def engine_config(args: argparse.Namespace, draft: str | Path | None) -> EngineC
         max_waiting=args.max_waiting,
         max_prefill_tokens=args.max_prefill_tokens,
         continuous_batching=not args.static_batches,
+        policy=args.policy,
     )
 
 

@@ -204,6 +204,11 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+def _shapes_text(shapes: Sequence[Any]) -> str:
+    """One bucket's shapes as the manifest records them ("none" for plain decoding)."""
+    return " | ".join("none" if shape is None else repr(shape) for shape in shapes)
+
+
 def current_manifest(
     *,
     device: torch.device,
@@ -216,8 +221,9 @@ def current_manifest(
     cuda_graphs: bool,
 ) -> Manifest:
     """This process's fingerprint. model / head: the config objects that define their graphs
-    (hashed); trees: each bucket's tree (None for plain decoding); cuda_graphs: whether the
-    steps run in CUDA graphs (the KV store, and so the graphs' strides, depend on it)."""
+    (hashed); trees: each bucket's trees (the shapes its rounds may run; None for plain
+    decoding); cuda_graphs: whether the steps run in CUDA graphs (the KV store, and so the
+    graphs' strides, depend on it)."""
     name, capability = device_fingerprint(device)
     return Manifest(
         format=ARTIFACT_FORMAT,
@@ -230,7 +236,7 @@ def current_manifest(
         model=config_hash(*model),
         head=None if head is None else config_hash(*head),
         buckets=tuple(buckets),
-        trees=tuple("none" if tree is None else repr(tree) for tree in trees),
+        trees=tuple(_shapes_text(shapes) for shapes in trees),
         max_seq_len=max_seq_len,
         cuda_graphs=cuda_graphs,
         steps_source=steps_source_hash(),

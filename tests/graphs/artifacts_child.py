@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=64)
     parser.add_argument("--stochastic", action="store_true", help="a stochastic --tree")
     parser.add_argument("--filtered", action="store_true")
+    parser.add_argument("--policy", default="fixed", help="EngineConfig.policy")
     parser.add_argument("--engine", action="store_true", help="load: Engine.from_pretrained")
     parser.add_argument("--only-buckets", type=int, nargs="+", default=None, help="build: a part")
     args = parser.parse_args()
@@ -51,6 +52,7 @@ def main() -> None:
         trees={1: TreeShape(*args.tree, stochastic=args.stochastic)},
         max_seq_len=args.max_seq_len,
         compile=True,
+        policy=args.policy,
     )
     use_engine = args.engine and args.mode == "load"
     if use_engine:

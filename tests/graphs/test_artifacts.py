@@ -213,7 +213,7 @@ def test_save_replaces_the_directory_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (next(payloads), None))
     manifest = artifacts.current_manifest(
         device=torch.device("cpu"), dtype=torch.float32, model=("m",), head=None,
-        buckets=(1,), trees=(None,), max_seq_len=8, cuda_graphs=False,
+        buckets=(1,), trees=((None,),), max_seq_len=8, cuda_graphs=False,
     )  # fmt: skip
     out = tmp_path / "out"
     for payload in (b"first", b"second"):
@@ -270,6 +270,11 @@ def test_the_compile_command_builds_for_the_same_trees(tmp_path, trees):
     command = aot.compile_command(model_dir="m", draft=head, config=config, out="o")
     args = cli.build_parser().parse_args(shlex.split(command)[1:])
     assert compile_tool.engine_config(args).trees == config.trees
+    for policy in ("cost", "ema"):
+        config = dataclasses.replace(config, policy=policy)
+        command = aot.compile_command(model_dir="m", draft=head, config=config, out="o")
+        args = cli.build_parser().parse_args(shlex.split(command)[1:])
+        assert compile_tool.engine_config(args).policy == policy
 
 
 @pytest.mark.gpu

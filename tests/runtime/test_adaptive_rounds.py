@@ -5,6 +5,7 @@ reference does (top-k trees)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -64,7 +65,7 @@ def test_greedy_decoding_with_shapes_changing_every_round_is_the_reference(
     assert got == [w.token_ids for w in want]
     assert "plain" in stats.rounds_by_shape and len(stats.rounds_by_shape) >= 3
     ran = [tree for tree, _ in policy.observed]
-    plain_after_plain = any(a is None and b is None for a, b in zip(ran, ran[1:], strict=False))
+    plain_after_plain = any(a is None and b is None for a, b in itertools.pairwise(ran))
     assert plain_after_plain and any(tree is not None for tree in ran)
 
 
