@@ -85,7 +85,7 @@ def measure(
         "tokens_per_second": round(num_tokens / seconds, 2),
         "tokens_per_round": round(num_tokens / max(num_rounds, 1), 2),
         "rounds_by_shape": shapes,
-        "command": " ".join(sys.argv),
+        "command": "specrun " + " ".join(sys.argv[1:]),
     }
     logger.info("%s", row)
     return row
