@@ -7,7 +7,10 @@ offers about w = min(K, (N - 1) / D) candidates, and is accepted when one of the
 acceptance is a = 1 - (1 - alpha)^w, and the accepted length of a depth-D tree is
 sum_{d=1..D} a^d (levels accepted one after another, as the walk goes). Every speculative
 round refines alpha from what the request accepted under the shape it ran (a smoothed
-per-level rate mapped back through the width); plain rounds say nothing about it.
+per-level rate mapped back through the width); plain rounds say nothing about it. A
+speculative round also reports, at the root, the draft's confidence and the KL divergence of
+its distribution from the target's (round.acceptance_signals); each request keeps their
+moving averages and the KL's variance (DSDE's stability signal).
 
 Costs are seconds per round, per (bucket, round variant): a moving average of the rounds the
 host has read (GPU time on CUDA), seeded from a measured profile when there is one.
@@ -63,6 +66,9 @@ class AcceptanceEstimate:
     """
 
     alpha: float = PRIOR_ALPHA
+    confidence: float = 0.0
+    divergence: float = 0.0
+    divergence_square: float = 0.0
     num_rounds: int = 0
     num_speculative_rounds: int = 0
     rounds_since_speculation: int = 0
@@ -70,8 +76,14 @@ class AcceptanceEstimate:
     last_depth: int = 0
     mean_accepted: float = 0.0
 
-    def observe(self, tree: TreeShape | StaticTree | None, num_accepted: int) -> None:
-        """Record one round that ran `tree` (None: plain) and accepted `num_accepted` drafts."""
+    def observe(
+        self,
+        tree: TreeShape | StaticTree | None,
+        num_accepted: int,
+        signals: tuple[float, float] = (0.0, 0.0),
+    ) -> None:
+        """Record one round that ran `tree` (None: plain) and accepted `num_accepted` drafts,
+        with its (confidence, divergence) signals."""
         self.num_rounds += 1
         if tree is None:
             self.rounds_since_speculation += 1
@@ -79,11 +91,12 @@ class AcceptanceEstimate:
         self.rounds_since_speculation = 0
         self.num_speculative_rounds += 1
         self.last_accepted, self.last_depth = num_accepted, tree.depth
-        self.mean_accepted = (
-            num_accepted
-            if self.num_speculative_rounds == 1
-            else _blend(self.mean_accepted, num_accepted, ALPHA_RATE)
-        )
+        rate = 1.0 if self.num_speculative_rounds == 1 else ALPHA_RATE
+        confidence, divergence = signals
+        self.mean_accepted = _blend(self.mean_accepted, num_accepted, rate)
+        self.confidence = _blend(self.confidence, confidence, rate)
+        self.divergence = _blend(self.divergence, divergence, rate)
+        self.divergence_square = _blend(self.divergence_square, divergence**2, rate)
         # One round of a depth-D walk is `accepted` level successes and one failure unless it
         # went all the way; smoothed by one pseudo-trial at the current estimate.
         width = level_width(tree)
@@ -91,6 +104,11 @@ class AcceptanceEstimate:
         failures = 1 if num_accepted < tree.depth else 0
         level = (num_accepted + prior_level) / (num_accepted + failures + 1)
         self.alpha = _blend(self.alpha, chain_acceptance(level, width), ALPHA_RATE)
+
+    @property
+    def divergence_std(self) -> float:
+        """The standard deviation of the root KL divergence over recent rounds."""
+        return math.sqrt(max(self.divergence_square - self.divergence**2, 0.0))
 
     def expected(self, tree: TreeShape | StaticTree | None) -> float:
         """Expected accepted draft tokens of one round of `tree` (0 for plain)."""
@@ -112,10 +130,14 @@ class AcceptanceBook:
         return self.estimates[request]
 
     def observe(
-        self, request: Hashable, tree: TreeShape | StaticTree | None, num_accepted: int
+        self,
+        request: Hashable,
+        tree: TreeShape | StaticTree | None,
+        num_accepted: int,
+        signals: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         estimate = self.get(request)
-        estimate.observe(tree, num_accepted)
+        estimate.observe(tree, num_accepted, signals)
         if tree is not None:
             self.prior = _blend(self.prior, estimate.alpha, 0.05)
 

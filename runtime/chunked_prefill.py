@@ -89,8 +89,8 @@ class ChunkedPrefill:
     def run(self, max_tokens: int) -> torch.Tensor:
         """Prefill the next chunk: the next `max_tokens` prompt tokens, or the rest.
 
-        Returns the prefill report (ReportColumns): after the last chunk [1, 5] int64 with the
-        root token as the one token emitted; before it an empty [0, 5] int64.
+        Returns the prefill report (ReportColumns): after the last chunk [1, 7] int64 with the
+        root token as the one token emitted; before it an empty [0, 7] int64.
         """
         assert not self.finished and max_tokens > 0, (self.num_remaining, max_tokens)
         start = self.num_prefilled
@@ -131,7 +131,7 @@ class ChunkedPrefill:
 
     def _finish(self, out: ModelOutput, features: torch.Tensor | None) -> torch.Tensor:
         """Draw the root from the prompt's last position, leave (root, last feature) pending,
-        emit the root. Returns the prefill report [1, 5] int64."""
+        emit the root. Returns the prefill report [1, 7] int64."""
         staging = self.staging
         logits = self._target.logits(out.hidden[:, -1])
         staging.root.copy_(draw_tokens(logits, staging.sampling))

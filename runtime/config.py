@@ -37,7 +37,7 @@ DEFAULT_TREES: Mapping[int, TreeShape | StaticTree | None] = MappingProxyType(
 )
 
 # The speculation policies by name (runtime/policy.py builds them).
-POLICY_NAMES = ("cost", "fixed", "batch-table", "ema", "gammatune")
+POLICY_NAMES = ("cost", "fixed", "batch-table", "ema", "gammatune", "dsde")
 
 # A draft-head directory may carry the tree shapes measured best for it (see default_trees).
 HEAD_TREES_FILE = "trees.json"
@@ -214,7 +214,7 @@ class EngineConfig:
     policy: how each round's tree is chosen among the bucket's ladder of shapes (its tree,
         smaller ones, plain decoding; runtime/policy.py): "cost" (expected tokens per
         measured second), "fixed" (the bucket's tree, nothing else is built), "batch-table",
-        "ema" or "gammatune".
+        "ema", "gammatune" or "dsde".
     """
 
     device: str = "auto"

@@ -39,7 +39,7 @@ from .prefill import (
     state_capacity,
 )
 from .prefill_runner import PrefillRunner
-from .reports import ReportReader, SlotTracker, Step, host_lag
+from .reports import ReportReader, SlotTracker, Step, host_lag, row_signals
 from .requests import check_requests
 from .round import ReportColumns, SpecState, decode_round, speculative_round, synced_decode_round
 from .sampling import needs_filtering
@@ -416,7 +416,7 @@ class Decoder:
             live = [slot for slot, done in enumerate(tracker.done) if not done]
             accepted = [rows[slot][ReportColumns.NUM_ACCEPTED] for slot in live]
             for slot, num_accepted in zip(live, accepted, strict=True):
-                book.observe(slot, variant.tree, num_accepted)
+                book.observe(slot, variant.tree, num_accepted, row_signals(rows[slot]))
             self.round_done(bucket, variant, seconds, accepted)
             stats.count_shape(variant.tag)
             yield tracker.step(rows, stats, counts_round=True)
@@ -442,7 +442,7 @@ class Decoder:
     ) -> Callable[[], torch.Tensor]:
         """A zero-argument call that runs one round (the variant; by default the greedy round
         of the configured tree) of the bucket over its state (replaying its graph on CUDA) and
-        returns the report [bucket, 4 + D + 1] int64."""
+        returns the report [bucket, 6 + D + 1] int64."""
         variant = variant or self.variant_for(bucket, [SamplingParams()])
         if self._runner is not None:
             self.prepare(bucket, variant=variant)
@@ -537,7 +537,7 @@ class Decoder:
     ) -> torch.Tensor:
         """Prefill new requests into free `slots` of the bucket's state, the others keeping
         theirs (PrefillRunner.admit: an admission graph on CUDA). Returns their prefill
-        report [len(slots), 5] int64."""
+        report [len(slots), 7] int64."""
         return self._prefills.admit(self.state(bucket), slots, prompts, params)
 
     def start_chunked_prefill(
@@ -557,8 +557,8 @@ class Decoder:
     def prefill_chunk(self, chunked: ChunkedPrefill, max_tokens: int, *, slot: int) -> torch.Tensor:
         """Run the next chunk (at most `max_tokens` prompt tokens) of a chunked prefill with
         the plain modules; after its last, install its staging state into `slot` (free, done)
-        as `admit` does. Returns an empty report [0, 5] int64 before the last chunk, the
-        prefill report [1, 5] int64 after it."""
+        as `admit` does. Returns an empty report [0, 7] int64 before the last chunk, the
+        prefill report [1, 7] int64 after it."""
         report = chunked.run(max_tokens)
         if chunked.finished:
             staging = chunked.staging
@@ -571,7 +571,7 @@ class Decoder:
     ) -> torch.Tensor:
         """Reset the bucket's state for a fresh batch (one request per slot, padding
         included) and prefill it, replaying its prefill graph on CUDA when it fits. Returns
-        the prefill report [bucket, 5] int64."""
+        the prefill report [bucket, 7] int64."""
         return self._prefills.run(self.state(bucket), prompts, params)
 
     def release(self, bucket: int, slots: Sequence[int]) -> None:

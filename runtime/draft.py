@@ -13,6 +13,7 @@ levels attend to under a rectangular ancestor mask, and are dropped at the end o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,7 @@ def draft_tree(
     for level in range(1, shape.depth):
         frontier, side, level_cands = _expand(head, cache, frontier, side, level, shape)
         cands = cands.then(level_cands)
-    return rerank(root, cands, shape)
+    return dataclasses.replace(rerank(root, cands, shape), root_logits=root_logits)
 
 
 def first_frontier(
@@ -262,6 +263,7 @@ def draft_static_tree(
         parent=parent,
         depth=torch.tensor(depths, device=device).expand(batch, -1),
         anc=_static_ancestors(static, device).expand(batch, -1, -1),
+        root_logits=root_logits,
     )
 
 

@@ -20,6 +20,10 @@ Policies, by `EngineConfig.policy` name:
   one level deeper (SGLang's rule, over trees instead of chains); never plain.
 - `gammatune`: a target depth that grows by one after a round whose rows all accepted every
   level, and otherwise falls halfway to what was accepted; the tree nearest it; never plain.
+- `dsde`: each request's speculation length from the KL divergence between draft and target
+  the rounds report and its variance (`dsde_length`, DSDE's signal); the tree whose depth is
+  nearest the batch's mean length, plain decoding below DSDE_PLAIN_BELOW (exploring as
+  `cost` does).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ HYSTERESIS = 0.05
 EXPLORE_EVERY = 16
 WINDOW, CUTOFF = 256, 0.5
 EMA_RATE = 0.2
+DSDE_PLAIN_BELOW = 0.5
 
 
 class Candidate(Protocol, Hashable):
@@ -97,22 +102,16 @@ class FixedPolicy(Policy):
         return False
 
 
-class CostPolicy(Policy):
-    name = "cost"
+class _ExploringPolicy(Policy):
+    """A policy that may pick plain decoding, whose requests' estimates plain rounds do not
+    refresh: while plain decoding wins, the smallest tree runs one round in EXPLORE_EVERY."""
 
     def __init__(self) -> None:
         self._current: dict[int, Candidate] = {}
         self._plain_streak: dict[int, int] = {}
 
-    def choose(self, bucket, candidates, requests, costs):
-        unmeasured = [c for c in candidates if costs.get(bucket, c) is None]
-        if unmeasured:
-            return self._ran(bucket, unmeasured[0])
-        rates = {c: _tokens_per_second(c, requests, costs.get(bucket, c)) for c in candidates}
-        best = max(candidates, key=rates.__getitem__)
-        current = self._current.get(bucket)
-        if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
-            best = current
+    def _settle(self, bucket: int, candidates: Sequence[Candidate], best: Candidate) -> Candidate:
+        """Run `best`, or the exploring round when it is due."""
         if best.tree is None and self._plain_streak.get(bucket, 0) >= EXPLORE_EVERY:
             speculative = [c for c in candidates if c.tree is not None]
             if speculative:
@@ -125,6 +124,48 @@ class CostPolicy(Policy):
         plain = candidate.tree is None
         self._plain_streak[bucket] = self._plain_streak.get(bucket, 0) + 1 if plain else 0
         return candidate
+
+
+class CostPolicy(_ExploringPolicy):
+    name = "cost"
+
+    def choose(self, bucket, candidates, requests, costs):
+        unmeasured = [c for c in candidates if costs.get(bucket, c) is None]
+        if unmeasured:
+            return self._ran(bucket, unmeasured[0])
+        rates = {c: _tokens_per_second(c, requests, costs.get(bucket, c)) for c in candidates}
+        best = max(candidates, key=rates.__getitem__)
+        current = self._current.get(bucket)
+        if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
+            best = current
+        return self._settle(bucket, candidates, best)
+
+
+class DsdePolicy(_ExploringPolicy):
+    name = "dsde"
+
+    def choose(self, bucket, candidates, requests, costs):
+        speculative = [c for c in candidates if c.tree is not None]
+        measured = [r for r in requests if r.num_speculative_rounds]
+        if not speculative or not measured:
+            return self._ran(bucket, candidates[0])
+        deepest = max(c.tree.depth for c in speculative)
+        length = sum(dsde_length(r, deepest) for r in measured) / len(measured)
+        plain = [c for c in candidates if c.tree is None]
+        if length < DSDE_PLAIN_BELOW and plain:
+            return self._settle(bucket, candidates, plain[0])
+        return self._ran(bucket, _nearest_depth(speculative, length, above=False))
+
+
+def dsde_length(estimate: AcceptanceEstimate, max_depth: int) -> float:
+    """A request's speculation length from its KL signal: a level is accepted with about
+    1 - sqrt(KL / 2) (Pinsker's bound on the total variation distance, whose complement is
+    the acceptance of one sampled draft), lowered by the KL's instability (divided by 1 + its
+    standard deviation); the expected run of such a chain, capped at `max_depth`."""
+    level = max(0.0, 1.0 - math.sqrt(estimate.divergence / 2)) / (1.0 + estimate.divergence_std)
+    if level >= 1.0:
+        return float(max_depth)
+    return min(float(max_depth), level / (1.0 - level))
 
 
 def _tokens_per_second(
@@ -213,7 +254,14 @@ def _nearest_depth(candidates: Sequence[Candidate], depth: float, *, above: bool
 
 POLICIES: dict[str, type[Policy]] = {
     policy.name: policy
-    for policy in (CostPolicy, FixedPolicy, BatchTablePolicy, EmaPolicy, GammaTunePolicy)
+    for policy in (
+        CostPolicy,
+        FixedPolicy,
+        BatchTablePolicy,
+        EmaPolicy,
+        GammaTunePolicy,
+        DsdePolicy,
+    )
 }
 
 

@@ -147,7 +147,7 @@ def prefill(
     """Reset `state` for a fresh batch (one prompt per slot) and prefill it.
 
     target_forward, draft_forward: what runs the prompt forwards (a compiled step); the
-    modules themselves by default. Returns the prefill's report [B, 5] int64 (ReportColumns:
+    modules themselves by default. Returns the prefill's report [B, 7] int64 (ReportColumns:
     the root token as the one token emitted).
     """
     device = state.root.device
@@ -185,7 +185,7 @@ def prefill_forwards(
     Args:
         tokens: [B, T] int64 right-padded prompts (T >= 3); padding is never attended to.
         lengths: [B] int64 prompt lengths (1 <= length <= T).
-    Returns the prefill's report [B, 5] int64 (ReportColumns).
+    Returns the prefill's report [B, 7] int64 (ReportColumns).
     """
     device = tokens.device
     state.num_output.zero_()
@@ -207,7 +207,7 @@ def prefill_forwards(
 
 def emit_root(state: SpecState) -> torch.Tensor:
     """Emit each slot's root token as its first output (none where max_new_tokens is 0).
-    Returns the prefill report [B, 5] int64 (ReportColumns)."""
+    Returns the prefill report [B, 7] int64 (ReportColumns)."""
     was_done = state.max_new == 0
     ones = torch.ones_like(state.root)
     num_emitted = emit(state, state.root[:, None], ones, was_done)

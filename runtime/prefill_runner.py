@@ -74,7 +74,7 @@ class PrefillRunner:
         self._staging: dict[int, SpecState] = {}
 
     def run(self, state: SpecState, prompts, params, *, kind: str = "prefill") -> torch.Tensor:
-        """Prefill one prompt per slot of `state` (reset first); returns the report [B, 5]
+        """Prefill one prompt per slot of `state` (reset first); returns the report [B, 7]
         int64. Replays the graph of its (kind, batch, padded length) when there is one."""
         key = self.key(state, max(map(len, prompts)), kind=kind)
         if key is None:
@@ -113,7 +113,7 @@ class PrefillRunner:
         """Prefill new requests into free `slots` of `state`, the others untouched: replaying
         the admission graph of the staging state of the smallest bucket that holds them, or
         (no graphs, or prompts too long for one) `slots.admit` with the compiled forwards.
-        Returns their prefill report [len(slots), 5] int64."""
+        Returns their prefill report [len(slots), 7] int64."""
         if self._runner is not None:
             staging = self.staging(self.config.bucket_for(len(slots)))
             key = self.key(staging, max(map(len, prompts)), kind="admit")

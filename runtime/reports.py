@@ -18,7 +18,7 @@ import torch
 
 from .requests import FINISH_LENGTH, FINISH_STOP
 from .round import FINISH_STOP as FINISH_STOP_CODE
-from .round import ReportColumns
+from .round import SIGNAL_SCALE, ReportColumns
 from .stats import DecodeStats, RequestStats
 
 Step = list[tuple[list[int], str | None]]
@@ -72,6 +72,13 @@ def row_tokens(row: list[int]) -> list[int]:
     """The tokens a report row emitted."""
     cols = ReportColumns
     return row[cols.TOKENS : cols.TOKENS + row[cols.NUM_EMITTED]]
+
+
+def row_signals(row: list[int]) -> tuple[float, float]:
+    """A round row's acceptance signals: the draft's confidence and its KL divergence from
+    the target at the root (round.acceptance_signals; 0, 0 for plain rounds)."""
+    cols = ReportColumns
+    return row[cols.CONFIDENCE] / SIGNAL_SCALE, row[cols.DIVERGENCE] / SIGNAL_SCALE
 
 
 def row_finish(row: list[int]) -> str:

@@ -28,6 +28,8 @@ from .tree import StaticTree, Tree, TreeShape
 from .verify import Acceptance, accept
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+# The acceptance signals travel in the int64 report as fixed-point numbers: value * SCALE.
+SIGNAL_SCALE = 2**16
 
 
 @dataclass
@@ -58,19 +60,47 @@ class SpecState:
 
 
 class ReportColumns:
-    """Columns of a round report [B, 4 + T] int64: how many tokens each slot emitted this
-    round, how many draft tokens it accepted, its done flag and finish code (FINISH_*), then
-    the T tokens it emitted (only the first `NUM_EMITTED` are meaningful)."""
+    """Columns of a round report [B, 6 + T] int64: how many tokens each slot emitted this
+    round, how many draft tokens it accepted, its done flag and finish code (FINISH_*), the
+    round's acceptance signals at the root in fixed point (`acceptance_signals`, times
+    SIGNAL_SCALE; 0 where nothing was drafted), then the T tokens it emitted (only the first
+    `NUM_EMITTED` are meaningful)."""
 
-    NUM_EMITTED, NUM_ACCEPTED, DONE, FINISH, TOKENS = 0, 1, 2, 3, 4
+    NUM_EMITTED, NUM_ACCEPTED, DONE, FINISH, CONFIDENCE, DIVERGENCE, TOKENS = range(7)
 
 
 def round_report(
-    state: SpecState, tokens: torch.Tensor, num_emitted: torch.Tensor, num_accepted: torch.Tensor
+    state: SpecState,
+    tokens: torch.Tensor,
+    num_emitted: torch.Tensor,
+    num_accepted: torch.Tensor,
+    signals: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pack one round's outcome (tokens [B, T], counts [B]) as a [B, 4 + T] int64 report."""
+    """Pack one round's outcome (tokens [B, T], counts [B], signals [B, 2] float or None) as
+    a [B, 6 + T] int64 report (ReportColumns)."""
     columns = [num_emitted, num_accepted, state.done.long(), state.finish]
-    return torch.cat([torch.stack(columns, dim=1), tokens], dim=1)
+    if signals is None:
+        fixed = torch.zeros_like(tokens[:, :1]).expand(-1, 2)
+    else:
+        fixed = (signals * SIGNAL_SCALE).round().long()
+    return torch.cat([torch.stack(columns, dim=1), fixed, tokens], dim=1)
+
+
+def acceptance_signals(
+    target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_to_target: torch.Tensor
+) -> torch.Tensor:
+    """What the round tells about its draft beyond the accepted length, at the root and at
+    temperature 1: the draft's confidence (its top probability) and the KL divergence
+    KL(p || q) of its distribution q from the target's p restricted to the draft vocabulary
+    (renormalised; DSDE's signal). target_logits: [B, V]; draft_logits: [B, V_draft];
+    draft_to_target: [V_draft] int64. Returns [B, 2] float32."""
+    log_q = draft_logits.float().log_softmax(-1)
+    log_p = target_logits.float().log_softmax(-1).index_select(-1, draft_to_target)
+    log_p = log_p - log_p.logsumexp(-1, keepdim=True)
+    p = log_p.exp()
+    kl = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+    confidence = log_q.amax(-1).exp()
+    return torch.stack([confidence, kl.nan_to_num(0.0).clamp(0.0, 1e3)], dim=-1)
 
 
 def speculative_round(
@@ -79,7 +109,7 @@ def speculative_round(
     state: SpecState,
     shape: TreeShape | StaticTree,
 ) -> torch.Tensor:
-    """Run one round in place. Returns the round report [B, 4 + D + 1] int64 (ReportColumns;
+    """Run one round in place. Returns the round report [B, 6 + D + 1] int64 (ReportColumns;
     slots already done report nothing). Draws are keyed by each slot's seed and output position
     (runtime/rng.py)."""
     tree, draft = draft_phase(head, state, shape)
@@ -117,13 +147,14 @@ def verify_phase(
         state.target.attention_inputs(tree.anc),
     )
     logits = target.logits(out.hidden)
+    draft_ids = torch.arange(tree.root_logits.shape[-1], device=logits.device)
+    draft_to_target = head.to_target_ids(draft_ids)
+    signals = acceptance_signals(logits[:, 0], tree.root_logits, draft_to_target)
     if draft is None:
         # One draw from the target at every node; each is used at most once along the path.
         drawn = draw_tokens(logits, state.sampling, tree.depth)
         acceptance = accept(tree, drawn, depth=shape.depth)
     else:
-        draft_ids = torch.arange(draft.probs.shape[-1], device=logits.device)
-        draft_to_target = head.to_target_ids(draft_ids)
         acceptance = accept_stochastic(
             tree, logits, draft, draft_to_target, state.sampling, shape=shape
         )
@@ -140,12 +171,12 @@ def verify_phase(
     state.pending.num_valid.copy_(torch.where(was_done, 0, acceptance.num_accepted + 1))
     state.root.copy_(acceptance.bonus)
     num_accepted = torch.where(was_done, 0, acceptance.num_accepted)
-    return round_report(state, emitted, num_emitted, num_accepted)
+    return round_report(state, emitted, num_emitted, num_accepted, signals)
 
 
 def decode_round(target: Llama, state: SpecState) -> torch.Tensor:
     """One plain autoregressive step in place: the root enters the cache, the next token is
-    sampled and emitted. Returns the round report [B, 5] int64 (ReportColumns)."""
+    sampled and emitted. Returns the round report [B, 7] int64 (ReportColumns)."""
     return _decode_step(target, state)[0]
 
 
@@ -156,7 +187,7 @@ def synced_decode_round(
     first `num_pending` pending columns (at least every row's `num_valid`: the whole width
     after a speculative round, 1 after a prefill or a plain step) are committed to the draft
     cache, then `decode_round`, whose (token, root feature) pair becomes the one pending.
-    Returns the round report [B, 5] int64."""
+    Returns the round report [B, 7] int64."""
     pending = state.pending
     draft_commit(
         head,

@@ -53,7 +53,7 @@ from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, SamplingParams
 from .decoder import Decoder, RoundVariant, settle_heap
 from .handle import FINISH_CANCELLED, Delta, EngineClosedError, EngineOverloadedError, RequestHandle
-from .reports import ReportReader, host_lag, row_finish, row_tokens
+from .reports import ReportReader, host_lag, row_finish, row_signals, row_tokens
 from .round import ReportColumns
 from .stats import EngineStats
 
@@ -430,7 +430,7 @@ class Scheduler:
             handle._count_round(num_accepted)
             histogram[num_accepted] += 1
             accepted.append(num_accepted)
-            self._acceptance.observe(handle, variant.tree, num_accepted)
+            self._acceptance.observe(handle, variant.tree, num_accepted, row_signals(row))
             self._deliver(handle, row)
         self.decoder.round_done(bucket, variant, seconds, accepted)
         with self._cond:

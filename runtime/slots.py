@@ -51,7 +51,7 @@ def admit(
     """Prefill one request per slot into `slots` of `state`, leaving every other slot as it
     is. The slots must be free (done); the caller checks that prompt + max_new_tokens fit.
 
-    Returns the prefill report [len(slots), 5] int64 (ReportColumns: the root token emitted)
+    Returns the prefill report [len(slots), 7] int64 (ReportColumns: the root token emitted)
     of the admitted slots, in `slots` order.
     """
     assert len(slots) == len(prompts) == len(params) > 0, (slots, len(prompts), len(params))

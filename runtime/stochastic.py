@@ -28,6 +28,7 @@ identity at each try). Children with q(x) = 0 (a Gumbel-top-K past q's support) 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,7 @@ def draft_stochastic_tree(
         if level + 1 < shape.depth:
             rows.append(_candidate_rows(chosen, level))
     kept = kept_candidates(cands.scores, shape)
-    tree = layout_tree(root, cands, shape, kept)
+    tree = dataclasses.replace(layout_tree(root, cands, shape, kept), root_logits=root_logits)
     return tree, _distributions(kept, rows, torch.cat(draft_ids, 1), torch.cat(probs, 1), shape)
 
 

@@ -63,12 +63,15 @@ class Tree:
     parent: [B, N] int64 node index of the parent (the root is its own parent).
     depth: [B, N] int64 (root 0).
     anc: [B, N, W] int64 ancestor bitmask (bit j of node i set iff j is i or an ancestor of i).
+    root_logits: [B, V_draft] the head's logits for the root's children (what the round's
+        acceptance signals compare with the target's), once drafted.
     """
 
     tokens: torch.Tensor
     parent: torch.Tensor
     depth: torch.Tensor
     anc: torch.Tensor
+    root_logits: torch.Tensor | None = None
 
 
 @dataclass

@@ -109,7 +109,7 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
         choices=POLICY_NAMES,
         help="how each round picks its tree among the bucket's tree, smaller ones and plain "
         "decoding: cost (expected tokens per measured second; default), fixed (the tree "
-        "only), batch-table, ema, gammatune",
+        "only), batch-table, ema, gammatune, dsde",
     )
 
 

@@ -68,7 +68,7 @@ def test_the_staging_state_after_the_chunks_is_a_whole_prefills(models, kind, ch
             reports.append(chunked.run(chunk))
         want = prefill(target, head, whole, [LONG_PROMPT], [SEEDED], eos_token_ids=())
     assert len(reports) == -(-len(LONG_PROMPT) // chunk)
-    assert all(report.shape == (0, 5) for report in reports[:-1])
+    assert all(report.shape == (0, 7) for report in reports[:-1])
     assert torch.equal(reports[-1], want)
     for name, got, expected in _named_tensors(chunked.staging, whole):
         assert got.dtype == expected.dtype, name

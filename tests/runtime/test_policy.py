@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from specrun.runtime.acceptance import (
     AcceptanceBook,
@@ -22,9 +23,11 @@ from specrun.runtime.policy import (
     EXPLORE_EVERY,
     POLICIES,
     CostPolicy,
+    dsde_length,
     make_policy,
     tree_ladder,
 )
+from specrun.runtime.round import acceptance_signals
 from specrun.runtime.tree import TreeShape
 
 DEEP = TreeShape(6, 8, 40)
@@ -160,3 +163,41 @@ def test_fixed_runs_the_configured_tree():
     policy = make_policy("fixed")
     assert not policy.adaptive
     assert policy.choose(1, LADDER, [_estimate(0.0)], _costs(GPU_COSTS)) == LADDER[0]
+
+
+def test_dsde_follows_the_divergence_and_its_stability():
+    """Low and steady KL between draft and target: the deepest tree; high KL: plain decoding;
+    the same mean KL with a large variance: a shallower tree than steady."""
+
+    def estimate(divergences: list[float]) -> AcceptanceEstimate:
+        found = AcceptanceEstimate()
+        for kl in divergences:
+            found.observe(DEEP, 3, (0.5, kl))
+        return found
+
+    steady, wobbly = estimate([0.01] * 30), estimate([0.0, 0.5] * 15)
+    assert wobbly.divergence_std > 0.2 > steady.divergence_std
+    policy = make_policy("dsde")
+    assert policy.choose(1, LADDER, [steady], RoundCosts()) == LADDER[0]
+    assert policy.choose(1, LADDER, [estimate([4.0] * 30)], RoundCosts()) == PLAIN
+    assert dsde_length(wobbly, 6) < dsde_length(estimate([0.25] * 30), 6)
+
+
+def test_acceptance_signals_compare_draft_and_target_at_the_root():
+    """Confidence is the draft's top probability; the divergence is KL(p || q) with p the
+    target's distribution restricted to the draft vocabulary: 0 when they agree there."""
+    generator = torch.Generator().manual_seed(0)
+    target = torch.randn(3, 11, generator=generator, dtype=torch.float64)
+    draft_to_target = torch.tensor([7, 0, 3, 9, 4])
+    same = target.index_select(1, draft_to_target) + 2.0  # a shift leaves softmax alone
+    other = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    signals = acceptance_signals(target, same, draft_to_target)
+    q = same.softmax(-1)
+    torch.testing.assert_close(signals[:, 0], q.amax(-1).float())
+    torch.testing.assert_close(signals[:, 1], torch.zeros(3), atol=1e-5, rtol=0)
+    p = target.softmax(-1).index_select(1, draft_to_target)
+    p = p / p.sum(-1, keepdim=True)
+    want = (p * (p.log() - other.log_softmax(-1))).sum(-1)
+    got = acceptance_signals(target, other, draft_to_target)[:, 1]
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    assert bool((got > 0).all())
