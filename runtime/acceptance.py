@@ -147,18 +147,23 @@ class AcceptanceBook:
 
 
 class RoundCosts:
-    """Seconds per round by (bucket, variant key): a moving average of measured rounds, over
-    the values of a profile when one was loaded. A round's first run is not counted (it may
+    """Seconds per round by (bucket, variant key): a moving average of measured rounds, from
+    a profile's value when one was loaded (`seed`). A round's first run is not counted (it may
     pay one-time costs: lazy initialisation, allocator growth, a first compile)."""
 
-    def __init__(self, seeded: dict[tuple[int, Hashable], float] | None = None) -> None:
-        self._seconds: dict[tuple[int, Hashable], float] = dict(seeded or {})
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, Hashable], float] = {}
         self._num_seen: dict[tuple[int, Hashable], int] = {}
 
     def get(self, bucket: int, key: Hashable) -> float | None:
         """The round's cost in seconds, or None until it has run twice (or a profile gave
         it)."""
         return self._seconds.get((bucket, key))
+
+    def seed(self, bucket: int, key: Hashable, seconds: float) -> None:
+        """Start the round's average at a measured value (runtime/cost_profile.py)."""
+        self._seconds[(bucket, key)] = seconds
+        self._num_seen[(bucket, key)] = max(self._num_seen.get((bucket, key), 0), 1)
 
     def observe(self, bucket: int, key: Hashable, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
@@ -169,9 +174,6 @@ class RoundCosts:
             return
         old = self._seconds.get((bucket, key))
         self._seconds[(bucket, key)] = seconds if old is None else _blend(old, seconds, COST_RATE)
-
-    def items(self) -> list[tuple[tuple[int, Hashable], float]]:
-        return sorted(self._seconds.items(), key=lambda item: repr(item[0]))
 
 
 def _blend(old: float, new: float, rate: float) -> float:

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from ..models.default import default_model_dir, resolve_draft
+from ..models.default import cache_root, default_model_dir, resolve_draft
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from ..models.loading import load_draft, load_target
 from ..models.tokenizer import Tokenizer
-from . import aot
+from . import aot, cost_profile
 from .config import EngineConfig, SamplingParams, default_trees, validate_prompt_ids
 from .decoder import BucketWarmup, Decoder, RoundVariant
 from .handle import Delta, Output, RequestHandle
@@ -53,6 +53,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.decoder = Decoder(model, head, config, eos_token_ids=tokenizer.eos_token_ids)
+        # Whether the policy's round costs came from a profile or a warm-up measurement.
+        self._profiled = False
         self._scheduler = Scheduler(
             self.decoder,
             tokenizer=tokenizer,
@@ -99,7 +101,18 @@ class Engine:
         engine = cls(model, Tokenizer.from_dir(model_dir), config, head=head)
         if artifacts is not None:
             aot.load_into(engine.decoder, artifacts, rebuild=aot.compile_command(**command))
+        engine._load_cost_profile()
         return engine
+
+    def _load_cost_profile(self) -> None:
+        """Seed the policy's round costs from `specrun tune`'s profile for this decoder, if
+        there is one in the cache."""
+        if not self.decoder.policy.adaptive:
+            return
+        path = cost_profile.profile_path(self.decoder, cache_root())
+        if path.is_file():
+            cost_profile.load_into(self.decoder, path, rebuild="specrun tune")
+            self._profiled = True
 
     def warmup(
         self, *, filtered: bool = False, progress: bool = True, prompt_lengths: Sequence[int] = ()
@@ -110,10 +123,19 @@ class Engine:
         each (bucket, round variant) graph cost. Without it, a graph is prepared the first
         time it is used. Runs between rounds when requests are decoding."""
         return self._scheduler.call(
-            lambda: self.decoder.warmup(
+            lambda: self._warmup(
                 filtered=filtered, progress=progress, prompt_lengths=prompt_lengths
             )
         )
+
+    def _warmup(self, **options) -> dict[tuple[int, RoundVariant], BucketWarmup]:
+        built = self.decoder.warmup(**options)
+        if self.decoder.policy.adaptive and not self._profiled:
+            # Without a profile the cost policy measures what it just prepared.
+            measured = cost_profile.measure(self.decoder, filtered=options["filtered"])
+            cost_profile.seed(self.decoder, measured)
+            self._profiled = True
+        return built
 
     def stats(self) -> EngineStats:
         """A snapshot of the running totals and the current load."""

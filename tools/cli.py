@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "export-onnx",
     "compile",
     "serve",
+    "tune",
 )
 
 

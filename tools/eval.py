@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..runtime.config import EngineConfig, SamplingParams
+from ..runtime.config import POLICY_NAMES, EngineConfig, SamplingParams
 from ..runtime.distill.data import read_prompts
 from ..runtime.engine import Engine
 from ..runtime.stats import EngineStats
@@ -44,6 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="D,K,N",
         help="evaluate several tree shapes (instead of --depth/--topk/--nodes)",
     )
+    parser.add_argument(
+        "--policy", action="append", default=[], choices=POLICY_NAMES,
+        help="also evaluate this speculation policy choosing among the (first) tree's ladder "
+        "of shapes each round (repeatable); the trees alone run fixed",
+    )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate the maximum")
     parser.add_argument("--seed", type=int, default=0)
@@ -78,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=not args.raw,
         buckets=(1,),
         trees={1: shapes[0]},
+        policy="fixed",
     )
     # Loaded once; every side below is an engine of its own over these modules (an engine
     # allocates its caches and graphs when first used).
@@ -87,12 +93,15 @@ def run(args: argparse.Namespace) -> int:
     baselines = {t: measure(plain, prompts, _params(args, t)) for t in args.temperatures}
     plain.close()
     records = []
-    for shape in shapes:
-        spec = Engine(model, tokenizer, dataclasses.replace(config, trees={1: shape}), head=head)
+    sides = [(shape, "fixed") for shape in shapes] + [(shapes[0], name) for name in args.policy]
+    for shape, policy in sides:
+        side_config = dataclasses.replace(config, trees={1: shape}, policy=policy)
+        spec = Engine(model, tokenizer, side_config, head=head)
         for temperature in args.temperatures:
             spec_stats = measure(spec, prompts, _params(args, temperature))
+            baseline = baselines[temperature]
             records.append(
-                point_record(shape, temperature, spec_stats, baselines[temperature], len(prompts))
+                point_record(shape, temperature, spec_stats, baseline, len(prompts), policy=policy)
             )
         spec.close()
     lines = [json.dumps(record) for record in records]
@@ -132,7 +141,9 @@ def measure(engine: Engine, prompts: list, params: SamplingParams) -> EngineStat
     engine.warmup(progress=False, prompt_lengths=prompt_lengths)
     engine.generate(prompts[0], _warmup_params(params))
     before = engine.stats()
-    side = "plain" if engine.head is None else "tree {},{},{}".format(*_shape_of(engine))
+    side = "plain"
+    if engine.head is not None:
+        side = "{} tree {},{},{}".format(engine.config.policy, *_shape_of(engine))
     for prompt in tqdm(prompts, desc=f"{side} T={params.temperature:g}", unit="prompt"):
         engine.generate(prompt, params)
     return _since(before, engine.stats())
@@ -149,9 +160,17 @@ def point_record(
     spec_stats: EngineStats,
     plain_stats: EngineStats,
     num_prompts: int,
+    *,
+    policy: str = "fixed",
 ) -> dict:
-    """One JSON line: a tree shape at a temperature against plain decoding."""
+    """One JSON line: a tree shape (with an adaptive policy: the first of its ladder) at a
+    temperature against plain decoding, with the rounds each shape ran."""
+    shapes: dict[str, int] = {}
+    for key, count in spec_stats.rounds_by_bucket.items():
+        shapes[key.split(":", 1)[1]] = shapes.get(key.split(":", 1)[1], 0) + count
     record = {
+        "policy": policy,
+        "rounds_by_shape": shapes,
         "temperature": temperature,
         "num_prompts": num_prompts,
         "depth": shape.depth,
@@ -191,6 +210,11 @@ def _since(before: EngineStats, after: EngineStats) -> EngineStats:
         accepted_histogram=[a - b for a, b in zip(after.accepted_histogram, old, strict=True)],
         prefill_seconds=after.prefill_seconds - before.prefill_seconds,
         round_seconds=after.round_seconds - before.round_seconds,
+        rounds_by_bucket={
+            key: count - before.rounds_by_bucket.get(key, 0)
+            for key, count in after.rounds_by_bucket.items()
+            if count > before.rounds_by_bucket.get(key, 0)
+        },
     )
 
 
@@ -218,14 +242,14 @@ def format_table(records: list[dict]) -> str:
     head (wall time, prefills included), the mean round and plain step, and the speed-up of
     the rounds alone."""
     header = (
-        f"{'tree':>9} {'temp':>6} {'accept len':>10} {'spec tok/s':>11} {'plain tok/s':>12} "
+        f"{'tree':>18} {'temp':>6} {'accept len':>10} {'spec tok/s':>11} {'plain tok/s':>12} "
         f"{'speedup':>8} {'round ms':>9} {'step ms':>8} {'decode speedup':>15}"
     )
     rows = [header, "-" * len(header)]
     for r in records:
         tree = tree_label(r)
         rows.append(
-            f"{tree:>9} {r['temperature']:>6.2f} {r['mean_accepted_length']:>10.2f} "
+            f"{tree:>18} {r['temperature']:>6.2f} {r['mean_accepted_length']:>10.2f} "
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
             f"{r['speedup']:>7.2f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
             f"{r['decode_speedup']:>14.2f}x"

@@ -51,9 +51,12 @@ def check_plotting() -> None:
 
 
 def tree_label(record: dict) -> str:
-    """'D,K,N', with ',s' for a stochastic tree."""
+    """'D,K,N', with ',s' for a stochastic tree; an adaptive policy's name before it (its
+    ladder starts at that tree)."""
     suffix = ",s" if record.get("stochastic") else ""
-    return f"{record['depth']},{record['topk']},{record['nodes']}{suffix}"
+    policy = record.get("policy", "fixed")
+    prefix = "" if policy == "fixed" else f"{policy} "
+    return f"{prefix}{record['depth']},{record['topk']},{record['nodes']}{suffix}"
 
 
 def series_label(record: dict) -> str:
@@ -94,12 +97,17 @@ def _draw_histograms(ax, records: list[dict]) -> None:
 
 
 def _draw_by_shape(ax, records: list[dict]) -> None:
+    """Accepted length by tree, for the trees run fixed."""
+    records = [r for r in records if r.get("policy", "fixed") == "fixed"]
     by_size = sorted({(r["depth"], r["topk"], r["nodes"]) for r in records})
     shapes = [",".join(map(str, shape)) for shape in by_size]
+
+    def size_index(record: dict) -> int:
+        return by_size.index((record["depth"], record["topk"], record["nodes"]))
+
     for series in dict.fromkeys(series_label(r) for r in records):
-        points = [r for r in records if series_label(r) == series]
-        points.sort(key=lambda r: shapes.index(tree_label(r)))
-        xs = [shapes.index(tree_label(r)) for r in points]
+        points = sorted((r for r in records if series_label(r) == series), key=size_index)
+        xs = [size_index(r) for r in points]
         ys = [r["mean_accepted_length"] for r in points]
         ax.plot(xs, ys, marker="o", label=series)
         for x, y, r in zip(xs, ys, points, strict=True):

@@ -86,15 +86,25 @@ def test_eval_compares_tree_shapes_and_plots_them(model_dir, prompts_file, tmp_p
     argv += [str(prompts_file), "--temperatures", "0", "1", "--max-new-tokens", "6"]
     argv += ["--trees", "3,2,5", "2,1,3", "--ignore-eos", "--json", str(json_path)]
     argv += ["--plot", str(png), "--device", "cpu", "--dtype", "float32"]
-    assert main(argv) == 0
+    assert main([*argv, "--policy", "cost", "--policy", "gammatune"]) == 0
     records = [json.loads(line) for line in json_path.read_text().splitlines()]
-    points = [(r["depth"], r["topk"], r["nodes"], r["temperature"]) for r in records]
-    assert points == [(3, 2, 5, 0.0), (3, 2, 5, 1.0), (2, 1, 3, 0.0), (2, 1, 3, 1.0)]
-    assert [len(r["accepted_histogram"]) for r in records] == [4, 4, 3, 3]
+    points = [(r["policy"], r["depth"], r["topk"], r["nodes"], r["temperature"]) for r in records]
+    assert points == [
+        (policy, *tree, temperature)
+        for policy, tree in [("fixed", (3, 2, 5)), ("fixed", (2, 1, 3))]
+        + [("cost", (3, 2, 5)), ("gammatune", (3, 2, 5))]
+        for temperature in (0.0, 1.0)
+    ]
+    assert [len(r["accepted_histogram"]) for r in records] == [4, 4, 3, 3, 4, 4, 4, 4]
+    assert set(records[0]["rounds_by_shape"]) == {"3,2,5"}
+    # The policies choose among the ladder of 3,2,5: smaller trees and plain decoding.
+    ladder = {"3,2,5", "2,1,3", "3,2,4", "plain"}
+    assert all(set(r["rounds_by_shape"]) <= ladder for r in records[4:])
     # One plain baseline per temperature, shared by every shape.
-    for first, second in ((0, 2), (1, 3)):
+    for first, second in ((0, 2), (1, 3), (0, 4)):
         assert records[first]["baseline_wall_seconds"] == records[second]["baseline_wall_seconds"]
-    assert "    3,2,5" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "    3,2,5" in out and "cost 3,2,5" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = tmp_path / "again.png"
     assert main(["eval-plot", str(json_path), str(json_path), "--out", str(again)]) == 0

@@ -1,0 +1,164 @@
+"""Round costs measured on the device, saved so that an engine starts with them: what the
+`cost` policy (runtime/policy.py) divides expected tokens by.
+
+`measure` times every round a decoder may run in each bucket (each shape of its ladder, each
+round variant, the captured graphs themselves on CUDA) over a state of done slots, and
+returns a `CostProfile`: the identity of what was measured (device, torch and Triton
+versions, dtype, the target's and head's shapes, CUDA graphs or not) and bucket -> round
+tag -> milliseconds. `specrun tune` writes it into the cache (`profile_path`) and
+`specrun compile` into its artifacts; `load_into` seeds a decoder's `RoundCosts` from a
+profile after checking it was measured for this decoder, and refuses one measured for
+something else, saying how to rebuild it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .aot import expected_manifest
+from .decoder import Decoder, RoundVariant
+from .slots import restore_rows, save_rows
+
+logger = logging.getLogger(__name__)
+
+PROFILE_FILE = "cost_profile.json"
+# The fields of an artifacts manifest that decide what a round costs.
+IDENTITY_FIELDS = (
+    "torch", "triton", "device", "capability", "dtype", "model", "head", "max_seq_len",
+    "cuda_graphs",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """identity: what was measured (IDENTITY_FIELDS); milliseconds: bucket -> round tag
+    (RoundVariant.tag) -> mean milliseconds per round; created, command: provenance."""
+
+    identity: dict[str, object]
+    milliseconds: dict[int, dict[str, float]]
+    created: str = ""
+    command: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, *, path: Path) -> CostProfile:
+        try:
+            raw = json.loads(text)
+            milliseconds = {
+                int(bucket): {str(tag): float(ms) for tag, ms in rounds.items()}
+                for bucket, rounds in raw["milliseconds"].items()
+            }
+            return cls(dict(raw["identity"]), milliseconds, raw["created"], raw["command"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"{path} is not a cost profile ({type(e).__name__}: {e}); delete it and run "
+                "`specrun tune` again"
+            ) from e
+
+
+def identity(decoder: Decoder) -> dict[str, object]:
+    """What a profile of this decoder's rounds depends on."""
+    manifest = expected_manifest(decoder)
+    found = {name: getattr(manifest, name) for name in IDENTITY_FIELDS}
+    return json.loads(json.dumps(found))  # tuples as lists, as a loaded profile has them
+
+
+def profile_path(decoder: Decoder, root: str | Path) -> Path:
+    """Where `specrun tune` keeps this decoder's profile under the cache root."""
+    digest = hashlib.sha256(json.dumps(identity(decoder), sort_keys=True).encode()).hexdigest()
+    return Path(root) / "profiles" / f"{digest[:16]}.json"
+
+
+@torch.inference_mode()
+def measure(decoder: Decoder, *, num_rounds: int = 10, filtered: bool = False) -> CostProfile:
+    """Prepare and time every round the decoder's buckets may run (graphs replayed on CUDA,
+    the compiled or eager step elsewhere) over states of done slots."""
+    milliseconds: dict[int, dict[str, float]] = {}
+    for bucket in reversed(decoder.config.buckets):
+        rounds = milliseconds.setdefault(bucket, {})
+        for variant in decoder.variants(bucket, filtered=filtered):
+            key = dataclasses.replace(variant, num_pending=0)
+            if key.tag in rounds:
+                continue  # the other pending width of a plain round: same cost
+            rounds[key.tag] = 1e3 * _time_round(decoder, bucket, variant, num_rounds)
+    return CostProfile(
+        identity(decoder),
+        milliseconds,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+
+
+def _time_round(decoder: Decoder, bucket: int, variant: RoundVariant, num_rounds: int) -> float:
+    """Median seconds of one round of `variant` over the bucket's state with every slot done
+    (the slots' rows restored after, so requests may be decoding: see slots.save_rows)."""
+    decoder.prepare(bucket, variant=variant)
+    run = decoder.round_runner(bucket, variant=variant)
+    state = decoder.state(bucket)
+    saved = save_rows(state)
+    state.done.fill_(True)
+    try:
+        run()  # a first run after preparing pays one-time costs
+        return _median_seconds(run, num_rounds, cuda=decoder.device.type == "cuda")
+    finally:
+        restore_rows(state, saved)
+
+
+def _median_seconds(run, num_rounds: int, *, cuda: bool) -> float:
+    seconds = []
+    for _ in range(num_rounds):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def load_into(decoder: Decoder, path: str | Path, *, rebuild: str) -> CostProfile:
+    """Seed the decoder's round costs from the profile at `path` (a file, or an artifact
+    directory holding PROFILE_FILE). Raises ValueError if it was measured for another
+    device, software or model, naming what differs and `rebuild`, the command that remakes
+    it."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / PROFILE_FILE
+    profile = CostProfile.from_json(path.read_text(), path=path)
+    current = identity(decoder)
+    differs = [
+        f"{name}={profile.identity.get(name)!r} (this process: {current[name]!r})"
+        for name in IDENTITY_FIELDS
+        if profile.identity.get(name) != current[name]
+    ]
+    if differs:
+        raise ValueError(f"{path} was measured for {'; '.join(differs)}; rebuild it: {rebuild}")
+    seed(decoder, profile)
+    logger.info("round costs from %s", path)
+    return profile
+
+
+def seed(decoder: Decoder, profile: CostProfile) -> None:
+    """Start the decoder's round costs at the profile's (the rounds it has a value for)."""
+    for bucket in decoder.config.buckets:
+        rounds = profile.milliseconds.get(bucket, {})
+        for variant in decoder.variants(bucket, filtered=True):
+            key = dataclasses.replace(variant, num_pending=0)
+            if key.tag in rounds:
+                decoder.costs.seed(bucket, key, rounds[key.tag] / 1e3)

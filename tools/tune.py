@@ -1,0 +1,91 @@
+"""`specrun tune`: measure what every round costs on this device and save the profile where
+engines find it (runtime/cost_profile.py), so the `cost` policy starts from measured costs
+instead of measuring each shape as it first runs.
+
+Prints, per bucket, each shape's milliseconds and its break-even accepted length: the draft
+tokens a request must accept per round for the shape to match plain decoding
+(cost / plain cost - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from ..models.default import cache_root
+from ..runtime import cost_profile
+from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees
+from ..runtime.engine import Engine
+from .generate import draft_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tune", help="measure every round's cost on this device for the cost policy"
+    )
+    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
+    parser.add_argument(
+        "--draft", default=None,
+        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
+    )  # fmt: skip
+    parser.add_argument("--no-draft", action="store_true", help="plain decoding only")
+    parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
+    parser.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per shape")
+    parser.add_argument("--filtered", action="store_true", help="also the top-k/top-p rounds")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="write the profile here (default: the cache, where engines look for it)",
+    )  # fmt: skip
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    draft = draft_dir(args)
+    config = EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        buckets=tuple(args.buckets),
+        trees=default_trees(draft),
+        max_seq_len=args.max_seq_len,
+    )
+    engine = Engine.from_pretrained(args.model, draft=draft or False, config=config)
+    profile = cost_profile.measure(engine.decoder, num_rounds=args.rounds, filtered=args.filtered)
+    profile = cost_profile.CostProfile(
+        profile.identity, profile.milliseconds, profile.created, command(args)
+    )
+    out = args.out or cost_profile.profile_path(engine.decoder, cache_root())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile.to_json())
+    engine.close()
+    print(table(profile))
+    print(f"wrote {out}")
+    return 0
+
+
+def command(args: argparse.Namespace) -> str:
+    """The command line that measures this profile again."""
+    words = ["specrun", "tune"]
+    words += ["--model", str(args.model)] if args.model else []
+    words += ["--draft", str(args.draft)] if args.draft else []
+    words += ["--no-draft"] if args.no_draft else []
+    words += ["--buckets", *map(str, args.buckets), "--max-seq-len", str(args.max_seq_len)]
+    words += ["--device", args.device, "--dtype", args.dtype, "--rounds", str(args.rounds)]
+    words += ["--filtered"] if args.filtered else []
+    return shlex.join(words)
+
+
+def table(profile: cost_profile.CostProfile) -> str:
+    """Markdown: per bucket and round, milliseconds and the break-even accepted length."""
+    lines = ["| bucket | round | ms | break-even accepted |", "|--:|:--|--:|--:|"]
+    for bucket, rounds in sorted(profile.milliseconds.items()):
+        plain = rounds.get("plain")
+        for tag, ms in sorted(rounds.items(), key=lambda item: item[1]):
+            even = "" if plain is None or tag.startswith("plain") else f"{ms / plain - 1:.2f}"
+            lines.append(f"| {bucket} | {tag} | {ms:.3f} | {even} |")
+    return "\n".join(lines)
