@@ -117,6 +117,7 @@ def allocate_state(
             top_p=torch.ones(batch_size, device=device),
             seed=torch.zeros(batch_size, 2, dtype=torch.int64, device=device),
             position=num_output,
+            seeded=torch.zeros(batch_size, dtype=torch.bool, device=device),
         ),
     )
 
@@ -258,9 +259,10 @@ def reset_requests(
     """Copy a fresh batch's per-slot request fields (sampling, limits, stop tokens) into
     `state`, without synchronising; `prefill_forwards` resets the rest.
 
-    The fields travel as one host tensor [B, 6 + S] float64 (exact for limits, token ids
+    The fields travel as one host tensor [B, 7 + S] float64 (exact for limits, token ids
     and 32-bit halves): temperature, top_k, top_p, max_new_tokens, the seed's two halves (a
-    fresh seed for a request without one), then the S stop ids (rows with fewer repeat their
+    fresh seed for a request without one), whether the request gave its seed, then the S
+    stop ids (rows with fewer repeat their
     first; -1 for none), pinned on CUDA, in one transfer; the stop masks are scattered from
     the ids on the device. In a serving process building and pinning one
     small host tensor per field costs about 3 ms a batch-1 prefill (H100), more than the
@@ -274,6 +276,7 @@ def reset_requests(
             p.top_p,
             p.max_new_tokens,
             *seed_halves(p.seed),
+            p.seed is not None,
             *_padded(ids, width),
         ]
         for p, ids in zip(params, stops, strict=True)
@@ -287,7 +290,8 @@ def reset_requests(
     state.max_new.copy_(fields[:, 3])
     state.done.copy_(fields[:, 3] == 0)
     state.sampling.seed.copy_(fields[:, 4:6])
-    ids = fields[:, 6:].long()
+    state.sampling.seeded.copy_(fields[:, 6] != 0)
+    ids = fields[:, 7:].long()
     state.stop_mask.zero_().scatter_(1, ids.clamp_min(0), ids >= 0)
 
 

@@ -25,6 +25,9 @@ class SamplingTensors:
     seed: [B, 2] int64 each request's seed halves (runtime/rng.py); position: [B] int64 the
         number of tokens each request has emitted (the decoding state's `num_output`, shared,
         not copied): the counter of the target's next draw. Both are needed only to draw.
+    seeded: [B] bool whether the request gave its seed. A seeded request must sample the
+        same tokens whatever tree its rounds run, so it never drafts a stochastic tree,
+        whose accepted tokens depend on the tree (runtime/stochastic.py); None: no row is.
     filtered: whether top-k / top-p may be on for some slot. When False they are ignored and
         the full-vocabulary sort they need is skipped; being a Python flag, it selects a
         separately compiled (and captured) variant of a round.
@@ -35,6 +38,7 @@ class SamplingTensors:
     top_p: torch.Tensor
     seed: torch.Tensor | None = None
     position: torch.Tensor | None = None
+    seeded: torch.Tensor | None = None
     filtered: bool = True
 
     @classmethod
@@ -56,8 +60,14 @@ class SamplingTensors:
             top_p=torch.tensor([p.top_p for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.int64, device=device).view(len(params), 2),
             position=position,
+            seeded=torch.tensor([p.seed is not None for p in params], device=device),
             filtered=needs_filtering(params),
         )
+
+    def samples_stochastically(self) -> torch.Tensor:
+        """[B] bool: rows that sample and may draft a stochastic tree (not seeded)."""
+        samples = self.temperature > 0
+        return samples if self.seeded is None else samples & ~self.seeded
 
     def counter(self, offset: torch.Tensor | int = 0) -> torch.Tensor:
         """The draw counter of each slot, `position` + `offset` ([B] or [B, ...] int64)."""

@@ -143,6 +143,7 @@ def slot_view(state: SpecState, num_slots: int) -> SpecState:
             top_p=sampling.top_p[:num_slots],
             seed=sampling.seed[:num_slots],
             position=num_output,
+            seeded=sampling.seeded[:num_slots],
             filtered=sampling.filtered,
         ),
     )
@@ -211,5 +212,11 @@ def _per_slot_tensors(state: SpecState, *, with_caches: bool) -> Iterator[tuple[
                    state.finish):  # fmt: skip
         yield tensor, 0
     sampling = state.sampling
-    for tensor in (sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed):
+    for tensor in (
+        sampling.temperature,
+        sampling.top_k,
+        sampling.top_p,
+        sampling.seed,
+        sampling.seeded,
+    ):
         yield tensor, 0

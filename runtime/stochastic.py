@@ -4,7 +4,10 @@ A deterministic tree (the head's top-k, runtime/draft.py) can accept at most the
 probability mass on its paths, which at temperature 1 is small for a flat target. Here rows
 that sample draft their children *by sampling from the head* and the verifier accepts them by
 recursive rejection sampling (RRS) without replacement, which is exact for any draft
-distribution; greedy rows in the same batch keep the deterministic tree and the greedy walk.
+distribution; greedy rows in the same batch keep the deterministic tree and the greedy walk,
+and so do seeded sampling rows, walking the target's keyed draws as with a top-k tree: what a
+rejection walk accepts depends on the tree drafted, which depends on the batch's bucket and
+the speculation policy, while a seeded request must sample the same tokens in any batch.
 
 Drafting (stochastic beam search, Kool et al. 2019). A node v with draft distribution
 q_v = softmax(logits / T) takes as children the Gumbel-top-K of log q_v: the first K of a
@@ -38,7 +41,7 @@ from .draft import PendingPairs, draft_extend, first_frontier, next_level, run_f
 from .kernels.rejection import rejection_walk, split_mass
 from .kv_cache import KVCache
 from .rng import Site, gumbel, uniform
-from .sampling import SamplingTensors, sample, target_probs
+from .sampling import SamplingTensors, draw_tokens, sample, target_probs
 from .tree import Tree, TreeShape, child_scores, choose_frontier, kept_candidates, layout_tree
 from .verify import Acceptance, accept
 
@@ -84,14 +87,15 @@ def sampled_children(
         logits: [B, P, V] draft logits of the parents' children.
         parent_scores, parent_logp: [B, P] float32 the parents' scores and cumulative
             log-probabilities (both 0 for the root).
-        sampling: per-row parameters; rows with temperature > 0 sample.
+        sampling: per-row parameters; rows that sample and are not seeded sample
+            (`SamplingTensors.samples_stochastically`).
     Returns:
         draft ids [B, P, K] (draw order), scores [B, P, K], cumulative log-probabilities
-        [B, P, K] and the parents' draft distributions [B, P, V] float32. Greedy rows get the
-        head's top-k and deterministic scores, as `expand_level` gives them.
+        [B, P, K] and the parents' draft distributions [B, P, V] float32. The other rows get
+        the head's top-k and deterministic scores, as `expand_level` gives them.
     """
     temperature = sampling.temperature.float().view(-1, 1, 1)
-    samples = temperature > 0
+    samples = sampling.samples_stochastically().view(-1, 1, 1)
     log_q = (logits.float() / torch.where(samples, temperature, 1.0)).log_softmax(-1)
     noise = gumbel(sampling.seed, sampling.counter(level), log_q.shape[1:], site=Site.DRAFT)
     perturbed, ids = torch.where(samples, log_q + noise, log_q).topk(topk, dim=-1)
@@ -187,9 +191,10 @@ def accept_stochastic(
     *,
     shape: TreeShape,
 ) -> Acceptance:
-    """Walk the tree by recursive rejection sampling (rows that sample; `rt::rejection_walk`)
-    or by the greedy walk (greedy rows); see the module docstring. No host sync; one draw of
-    the bonus from the residual where each row stopped.
+    """Walk the tree by recursive rejection sampling (rows that sample without a seed;
+    `rt::rejection_walk`) or by the walk of the target's draws (greedy and seeded rows); see
+    the module docstring. No host sync; one draw of the bonus from the residual where each
+    row stopped.
 
     Args:
         tree: the round's tree ([B, N]).
@@ -200,7 +205,8 @@ def accept_stochastic(
         shape: the tree's (D, K, N).
     """
     probs = target_probs(logits, sampling)
-    greedy = accept(tree, probs.argmax(-1), depth=shape.depth)
+    # Greedy and seeded rows drafted the top-k tree: the walk of the target's own draws.
+    matched = accept(tree, draw_tokens(logits, sampling, tree.depth), depth=shape.depth)
     batch = probs.shape[0]
     counter = sampling.counter()
     uniforms = uniform(sampling.seed, counter, (shape.depth, shape.topk), site=Site.REJECTION)
@@ -216,11 +222,11 @@ def accept_stochastic(
         counter,
         site=Site.RESIDUAL,
     )
-    samples = sampling.temperature > 0
+    samples = sampling.samples_stochastically()
     return Acceptance(
-        torch.where(samples[:, None], path, greedy.path),
-        torch.where(samples, num_accepted, greedy.num_accepted),
-        torch.where(samples, bonus, greedy.bonus),
+        torch.where(samples[:, None], path, matched.path),
+        torch.where(samples, num_accepted, matched.num_accepted),
+        torch.where(samples, bonus, matched.bonus),
     )
 
 

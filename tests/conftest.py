@@ -31,6 +31,17 @@ def uncached_compiles():
 
 
 @pytest.fixture
+def fresh_seeds(monkeypatch):
+    """Unseeded requests get their fresh seeds from a seeded generator instead of the OS, so
+    tests of what only unseeded requests do (stochastic trees) are reproducible."""
+    import random
+
+    from specrun.runtime import rng
+
+    monkeypatch.setattr(rng.secrets, "randbits", random.Random(0).getrandbits)
+
+
+@pytest.fixture
 def tiny_llama() -> Llama:
     return random_llama(tiny_config(), dtype=torch.float64)
 

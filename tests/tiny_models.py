@@ -108,6 +108,26 @@ class TargetAsDraft(torch.nn.Module):
         return DraftOutput(hidden, self.logits(hidden), k_new, v_new)
 
 
+class ShuffledPolicy:
+    """A speculation policy (runtime/policy.py) that picks any candidate at random, so the
+    shape changes between rounds; remembers each round's tree and accepted drafts."""
+
+    name = "shuffled"
+    adaptive = True
+
+    def __init__(self, seed: int) -> None:
+        import random
+
+        self._random = random.Random(seed)
+        self.observed: list[tuple[object, list[int]]] = []
+
+    def choose(self, bucket, candidates, requests, costs):
+        return self._random.choice(candidates)
+
+    def observe(self, bucket, candidate, accepted):
+        self.observed.append((candidate.tree, list(accepted)))
+
+
 def targets_with_heads() -> dict[str, tuple[Llama, torch.nn.Module | None]]:
     """One float64 tiny target without a head ("plain"), drafting for itself ("perfect": every
     draft is accepted) and with a random EAGLE-3 head ("eagle3")."""

@@ -6,37 +6,26 @@ reference does (top-k trees)."""
 from __future__ import annotations
 
 import itertools
-import random
 
 import pytest
 import torch
 
 from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
-from specrun.runtime.policy import Policy
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.stats import DecodeStats
 from specrun.runtime.tree import TreeShape
-from tiny_models import TargetAsDraft, decode_tokens, random_head, random_llama, tiny_config
+from tiny_models import (
+    ShuffledPolicy,
+    TargetAsDraft,
+    decode_tokens,
+    random_head,
+    random_llama,
+    tiny_config,
+)
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12]]
 TREES = {1: TreeShape(4, 3, 10), 2: TreeShape(3, 2, 6), 4: TreeShape(2, 2, 4)}
-
-
-class ShuffledPolicy(Policy):
-    """Any candidate, at random; remembers each round's shape and accepted drafts."""
-
-    name = "shuffled"
-
-    def __init__(self, seed: int) -> None:
-        self._random = random.Random(seed)
-        self.observed: list[tuple[TreeShape | None, list[int]]] = []
-
-    def choose(self, bucket, candidates, requests, costs):
-        return self._random.choice(candidates)
-
-    def observe(self, bucket, candidate, accepted):
-        self.observed.append((candidate.tree, list(accepted)))
 
 
 def _decoder(target, head, seed: int) -> tuple[Decoder, ShuffledPolicy]:

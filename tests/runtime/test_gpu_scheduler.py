@@ -1,8 +1,8 @@
 """GPU tier: continuous batching over captured graphs. Requests joining and leaving across
-bucket boundaries (1 -> 2 -> 4 -> 2 -> 1), one of them prefilled in chunks, after the warm-up
-cause no compilation and no new capture, nothing in the loop synchronises with the host, and
-every request decodes what the reference decoder decodes for it alone (greedy, and seeded
-sampling with top-k trees)."""
+bucket boundaries (1 -> 2 -> 4 -> 2 -> 1), one of them prefilled in chunks, while the round's
+shape changes between rounds, after the warm-up cause no compilation and no new capture,
+nothing in the loop synchronises with the host, and every request decodes what the reference
+decoder decodes for it alone (greedy, and seeded sampling)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from specrun.runtime.decoder import Decoder
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.scheduler import Scheduler
 from specrun.runtime.tree import TreeShape
-from tiny_models import random_head, random_llama, tiny_config
+from tiny_models import ShuffledPolicy, random_head, random_llama, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -38,11 +38,16 @@ def _params(max_new: int, sampled: bool, index: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new, ignore_eos=True)
 
 
-def test_requests_across_bucket_boundaries_need_no_compile_or_capture():
+@pytest.mark.parametrize("policy", ["cost", "shuffled"])
+def test_requests_across_bucket_boundaries_need_no_compile_or_capture(policy):
+    """With the cost policy and with one that changes the shape (plain decoding included)
+    every round."""
     target = random_llama(tiny_config(head_dim=16, vocab_size=211), dtype=torch.float32).cuda()
     head = random_head("eagle3", target).cuda()
     config = EngineConfig(device="cuda", buckets=(1, 2, 4), trees=TREES, max_seq_len=128)
     decoder = Decoder(target, head, config)
+    if policy == "shuffled":
+        decoder.policy = ShuffledPolicy(seed=0)
     scheduler = Scheduler(
         decoder, tokenizer=None, max_waiting=16, max_prefill_tokens=16, threaded=False
     )

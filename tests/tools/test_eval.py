@@ -89,11 +89,10 @@ def test_eval_compares_tree_shapes_and_plots_them(model_dir, prompts_file, tmp_p
     assert main([*argv, "--policy", "cost", "--policy", "gammatune"]) == 0
     records = [json.loads(line) for line in json_path.read_text().splitlines()]
     points = [(r["policy"], r["depth"], r["topk"], r["nodes"], r["temperature"]) for r in records]
+    sides = [("fixed", (3, 2, 5)), ("fixed", (2, 1, 3)), ("cost", (3, 2, 5))]
+    sides.append(("gammatune", (3, 2, 5)))
     assert points == [
-        (policy, *tree, temperature)
-        for policy, tree in [("fixed", (3, 2, 5)), ("fixed", (2, 1, 3))]
-        + [("cost", (3, 2, 5)), ("gammatune", (3, 2, 5))]
-        for temperature in (0.0, 1.0)
+        (policy, *tree, temperature) for policy, tree in sides for temperature in (0.0, 1.0)
     ]
     assert [len(r["accepted_histogram"]) for r in records] == [4, 4, 3, 3, 4, 4, 4, 4]
     assert set(records[0]["rounds_by_shape"]) == {"3,2,5"}

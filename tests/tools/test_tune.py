@@ -64,7 +64,7 @@ def test_a_profile_of_another_setup_is_refused(dirs, tmp_path):
     )
     path = tmp_path / "profile.json"
     path.write_text(profile.to_json())
-    with pytest.raises(ValueError, match="device='NVIDIA H100 80GB HBM3'.*specrun tune"):
+    with pytest.raises(ValueError, match=r"device='NVIDIA H100 80GB HBM3'.*specrun tune"):
         cost_profile.load_into(engine.decoder, path, rebuild="specrun tune")
     path.write_text("{")
     with pytest.raises(ValueError, match="not a cost profile"):
