@@ -60,7 +60,7 @@ def expected_manifest(decoder: Decoder) -> Manifest:
         model=(target.config, tuple(target.tap_layers)),
         head=None if head is None else (type(head).__name__, head.config),
         buckets=config.buckets,
-        trees=[decoder.shapes(bucket) for bucket in config.buckets],
+        trees=[decoder.planner.shapes(bucket) for bucket in config.buckets],
         max_seq_len=config.max_seq_len,
         cuda_graphs=decoder.use_graphs,
     )

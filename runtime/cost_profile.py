@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from .aot import expected_manifest
-from .decoder import Decoder, RoundVariant
+from .decoder import Decoder
+from .round_plan import RoundVariant
 from .slots import restore_rows, save_rows
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def measure(decoder: Decoder, *, num_rounds: int = 10, filtered: bool = False) -
     milliseconds: dict[int, dict[str, float]] = {}
     for bucket in reversed(decoder.config.buckets):
         rounds = milliseconds.setdefault(bucket, {})
-        for variant in decoder.variants(bucket, filtered=filtered):
+        for variant in decoder.planner.variants(bucket, filtered=filtered):
             key = dataclasses.replace(variant, num_pending=0)
             if key.tag in rounds:
                 continue  # the other pending width of a plain round: same cost
@@ -158,7 +159,7 @@ def seed(decoder: Decoder, profile: CostProfile) -> None:
     """Start the decoder's round costs at the profile's (the rounds it has a value for)."""
     for bucket in decoder.config.buckets:
         rounds = profile.milliseconds.get(bucket, {})
-        for variant in decoder.variants(bucket, filtered=True):
+        for variant in decoder.planner.variants(bucket, filtered=True):
             key = dataclasses.replace(variant, num_pending=0)
             if key.tag in rounds:
-                decoder.costs.seed(bucket, key, rounds[key.tag] / 1e3)
+                decoder.planner.costs.seed(bucket, key, rounds[key.tag] / 1e3)

@@ -6,8 +6,8 @@ Every bucket's state is a view of the first `bucket` slots of one store (runtime
 with pending buffers as wide as the deepest tree of any bucket, so live slots move between
 buckets without recompiling or capturing anything. A static batch pads up to its bucket
 (padding slots ask for no tokens and are done from the start), is prefilled into the bucket's
-state and decoded round by round: speculative rounds where the bucket has a draft tree, plain
-autoregressive steps where it has none (or there is no draft head). The host reads one small
+state and decoded round by round, each round the one the planner picks (runtime/round_plan.py:
+a tree of the bucket's ladder or a plain step). The host reads one small
 report per round, one round late (runtime/reports.py). Stop conditions are decided on the
 device. The serving loop over these operations is runtime/scheduler.py.
 """
@@ -27,12 +27,11 @@ from tqdm.auto import tqdm
 
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
-from .acceptance import AcceptanceBook, AcceptanceEstimate, RoundCosts
+from .acceptance import AcceptanceBook
 from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner, compile_prefill, compile_round, compile_step
 from .graphs.compile import CompiledStep
-from .policy import make_policy, tree_ladder
 from .prefill import (
     allocate_state,
     mark_dynamic_dims,
@@ -42,7 +41,7 @@ from .prefill_runner import PrefillRunner
 from .reports import ReportReader, SlotTracker, Step, host_lag, row_signals
 from .requests import check_requests
 from .round import ReportColumns, SpecState, decode_round, speculative_round, synced_decode_round
-from .sampling import needs_filtering
+from .round_plan import RoundPlanner, RoundVariant
 from .slots import (
     copy_rows,
     copy_slots,
@@ -53,49 +52,8 @@ from .slots import (
     slot_view,
 )
 from .stats import DecodeStats
-from .tree import StaticTree, TreeShape
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RoundVariant:
-    """Which of a bucket's rounds a batch runs: each is compiled (and on CUDA captured) on its
-    own; the policy picks the tree among the bucket's shapes and the requests' parameters
-    the rest (`Decoder.plan_round`).
-
-    tree: the tree drafted and verified (None: plain decoding). A stochastic TreeShape only
-        when some request samples: a batch of greedy requests runs it as its top-k tree, which
-        greedy rows draft and walk anyway, without the sampled draft and the rejection walk.
-    filtered: some request samples with top-k / top-p (see SamplingTensors.filtered).
-    num_pending: plain rounds of a decoder that speculates keep its draft cache in step
-        (round.synced_decode_round): the pending columns they commit first, the whole width
-        after a speculative round and 1 after a plain one or a prefill. 0 otherwise.
-    """
-
-    tree: TreeShape | StaticTree | None = None
-    filtered: bool = False
-    num_pending: int = 0
-
-    @property
-    def stochastic(self) -> bool:
-        """Whether sampling rows draft by sampling and walk by rejection."""
-        return isinstance(self.tree, TreeShape) and self.tree.stochastic
-
-    @property
-    def tag(self) -> str:
-        """A short name for tables, logs and metrics: the tree ("plain", "D,K,N" or
-        "staticN"), then "f" if filtered and "s" if stochastic."""
-        return tree_label(self.tree) + "f" * self.filtered + "s" * self.stochastic
-
-
-def tree_label(tree: TreeShape | StaticTree | None) -> str:
-    """ "plain", "D,K,N" for a TreeShape, "staticN" for a StaticTree of N nodes."""
-    if tree is None:
-        return "plain"
-    if isinstance(tree, StaticTree):
-        return f"static{tree.num_nodes}"
-    return f"{tree.depth},{tree.topk},{tree.num_nodes}"
 
 
 @dataclass(frozen=True)
@@ -134,19 +92,13 @@ class Decoder:
         self.device = target.lm_head.weight.device
         self.use_graphs = config.resolved_cuda_graphs()
         self._compiled = config.resolved_compile()
-        self.policy = make_policy(config.policy)
-        self._shapes = {bucket: self._ladder(bucket) for bucket in config.buckets}
-        self.speculates = any(t is not None for shapes in self._shapes.values() for t in shapes)
-        # Whether the last round launched speculated (see RoundVariant.num_pending).
-        self._wide_pending = False
-        self.costs = RoundCosts()
+        self.planner = RoundPlanner(config, has_head=head is not None)
         self._round, self._decode = speculative_round, decode_round
         self._synced_decode = synced_decode_round
         self._prefill_target = self._prefill_draft = None
         if self._compiled:
             # Greedy, sampled and top-k/top-p rounds of each bucket's shapes (RoundVariant).
-            num_shapes = sum(len(shapes) for shapes in self._shapes.values())
-            num_graphs = 3 * num_shapes + 2
+            num_graphs = 3 * self.planner.num_shapes + 2
             self._round = compile_round(speculative_round, recompile_limit=num_graphs)
             self._decode = compile_step(decode_round, name="decode", recompile_limit=num_graphs)
             self._synced_decode = compile_step(
@@ -164,12 +116,8 @@ class Decoder:
                 else None
             )
         self._runner = CudaGraphRunner(self.device) if self.use_graphs else None
-        # Pending pairs of every bucket are as wide as the deepest tree: a slot that moves
-        # into a shallower bucket may hold more pairs than that bucket's round produces.
-        self.max_depth = max(
-            (t.depth for shapes in self._shapes.values() for t in shapes if t is not None),
-            default=0,
-        )
+        # The pending buffers' width - 1 (RoundPlanner.max_depth).
+        self.max_depth = self.planner.max_depth
         self._store: SpecState | None = None
         self._states: dict[int, SpecState] = {}
         self._prefills = PrefillRunner(
@@ -184,80 +132,6 @@ class Decoder:
             draft_forward=self._prefill_draft,
         )
         self.warmups: dict[tuple[int, RoundVariant], BucketWarmup] = {}
-
-    def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
-        """The bucket's configured draft tree (None: plain decoding)."""
-        return None if self.head is None else self.config.tree_for(bucket)
-
-    def shapes(self, bucket: int) -> tuple[TreeShape | StaticTree | None, ...]:
-        """The trees the bucket's rounds may run, its configured one first (policy.tree_ladder
-        for an adaptive policy; None: plain decoding)."""
-        return self._shapes[bucket]
-
-    def _ladder(self, bucket: int) -> tuple[TreeShape | StaticTree | None, ...]:
-        tree = self.tree_for(bucket)
-        return tree_ladder(tree) if self.policy.adaptive else (tree,)
-
-    def is_stochastic(self, bucket: int) -> bool:
-        """Whether the bucket's configured tree is stochastic for requests that sample."""
-        tree = self.tree_for(bucket)
-        return isinstance(tree, TreeShape) and tree.stochastic
-
-    def candidates(self, bucket: int, params: Sequence[SamplingParams]) -> list[RoundVariant]:
-        """The rounds a batch of these requests may run in the bucket, one per shape."""
-        samples = any(not p.greedy for p in params)
-        return self._candidates(bucket, samples=samples, filtered=needs_filtering(params))
-
-    def _candidates(self, bucket: int, *, samples: bool, filtered: bool) -> list[RoundVariant]:
-        trees = [_for_sampling(tree, samples) for tree in self.shapes(bucket)]
-        return [RoundVariant(tree=tree, filtered=filtered) for tree in trees]
-
-    def variant_for(self, bucket: int, params: Sequence[SamplingParams]) -> RoundVariant:
-        """The round a batch of these requests runs in the bucket with its configured tree."""
-        return self.candidates(bucket, params)[0]
-
-    def plan_round(
-        self,
-        bucket: int,
-        params: Sequence[SamplingParams],
-        estimates: Sequence[AcceptanceEstimate],
-    ) -> RoundVariant:
-        """The round to launch next in the bucket for live requests with these parameters and
-        acceptance estimates: the policy's choice among `candidates`, with the pending width
-        a plain round needs. Call it for every round launched, in launch order."""
-        found = self.candidates(bucket, params)
-        chosen = (
-            found[0]
-            if len(found) == 1
-            else self.policy.choose(bucket, found, estimates, self.costs)
-        )
-        if chosen.tree is None and self.speculates:
-            width = self.max_depth + 1 if self._wide_pending else 1
-            chosen = dataclasses.replace(chosen, num_pending=width)
-        self._wide_pending = chosen.tree is not None
-        return chosen
-
-    def round_done(
-        self, bucket: int, variant: RoundVariant, seconds: float, accepted: Sequence[int]
-    ) -> None:
-        """Tell the cost table and the policy about a round read back: its seconds and its
-        live rows' accepted draft tokens."""
-        key = dataclasses.replace(variant, num_pending=0)
-        self.costs.observe(bucket, key, seconds)
-        self.policy.observe(bucket, key, accepted)
-
-    def variants(self, bucket: int, *, filtered: bool = False) -> list[RoundVariant]:
-        """Every round the bucket may run for greedy and plainly sampling requests, and with
-        `filtered` for top-k / top-p ones too (`launchable` for each kind)."""
-        kinds = [SamplingParams(), SamplingParams(temperature=1.0)]
-        if filtered:
-            kinds.append(SamplingParams(temperature=1.0, top_k=1))
-        found = [v for params in kinds for v in self.launchable(bucket, [params])]
-        return list(dict.fromkeys(found))
-
-    def depth_for(self, bucket: int) -> int:
-        """The deepest tree the bucket's rounds may run (0: plain decoding only)."""
-        return max((tree.depth for tree in self.shapes(bucket) if tree is not None), default=0)
 
     def check_fits(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]):
         """Refuse requests whose prompt + max_new_tokens exceed the slot capacity (for the
@@ -291,7 +165,7 @@ class Decoder:
         keys = [
             (bucket, variant)
             for bucket in reversed(chosen)
-            for variant in self.variants(bucket, filtered=filtered)
+            for variant in self.planner.variants(bucket, filtered=filtered)
         ]
         todo = [key for key in keys if key not in self.warmups]
         for bucket, variant in tqdm(todo, desc="warm-up", unit="graph", disable=not progress):
@@ -312,7 +186,7 @@ class Decoder:
         default the greedy round of its configured tree), and capture the round on CUDA.
         Idempotent. Returns its BucketWarmup. The bucket's state is left done (reset by the
         next prefill)."""
-        variant = variant or self.variant_for(bucket, [SamplingParams()])
+        variant = variant or self.planner.variant_for(bucket, [SamplingParams()])
         if self._build(bucket, variant, prefill=prefill):
             settle_heap()
         return self.warmups[bucket, variant]
@@ -323,10 +197,9 @@ class Decoder:
         key = (bucket, variant)
         if key in self.warmups:
             return False
-        if variant not in self.variants(bucket, filtered=True):
-            raise ValueError(
-                f"bucket {bucket} runs none of {variant}; its shapes are {self.shapes(bucket)}"
-            )
+        if variant not in self.planner.variants(bucket, filtered=True):
+            shapes = self.planner.shapes(bucket)
+            raise ValueError(f"bucket {bucket} runs none of {variant}; its shapes are {shapes}")
         started = time.perf_counter()
         if prefill:
             self._prefill_for_warmup(bucket)
@@ -349,7 +222,7 @@ class Decoder:
         bucket = self.config.bucket_for(len(prompts))
         self.check_fits(prompts, params)
         stats = stats if stats is not None else DecodeStats()
-        stats.begin(depth=self.depth_for(bucket), num_requests=len(prompts))
+        stats.begin(depth=self.planner.depth_for(bucket), num_requests=len(prompts))
         padding = bucket - len(prompts)
         yield from self._decode_batch(
             bucket,
@@ -379,21 +252,10 @@ class Decoder:
         state = self.state(bucket)
         if self.use_graphs:
             # Captured before the prefill is timed (a first use's capture is not its prefill).
-            for variant in self.launchable(bucket, params):
+            for variant in self.planner.launchable(bucket, params):
                 self.prepare(bucket, variant=variant)
             self._prefills.key(state, max(map(len, prompts)))
         yield from self._rounds(bucket, state, prompts, params, num_real, stats)
-
-    def launchable(self, bucket: int, params: Sequence[SamplingParams]) -> list[RoundVariant]:
-        """Every round `plan_round` may launch in the bucket for these requests."""
-        found = []
-        for variant in self.candidates(bucket, params):
-            if variant.tree is None and self.speculates:
-                for width in (self.max_depth + 1, 1):
-                    found.append(dataclasses.replace(variant, num_pending=width))
-            else:
-                found.append(variant)
-        return found
 
     @torch.inference_mode()
     def _rounds(self, bucket, state, prompts, params, num_real, stats):
@@ -409,7 +271,7 @@ class Decoder:
         while not tracker.all_done:
             while len(reader) <= lag:
                 live = [slot for slot, done in enumerate(tracker.done) if not done]
-                variant = self.plan_round(bucket, params, [book.get(slot) for slot in live])
+                variant = self.planner.plan(bucket, params, [book.get(slot) for slot in live])
                 reader.submit(self.round_runner(bucket, variant=variant), tag=variant)
             rows, seconds, variant = reader.read()
             stats.round_seconds += seconds
@@ -417,14 +279,14 @@ class Decoder:
             accepted = [rows[slot][ReportColumns.NUM_ACCEPTED] for slot in live]
             for slot, num_accepted in zip(live, accepted, strict=True):
                 book.observe(slot, variant.tree, num_accepted, row_signals(rows[slot]))
-            self.round_done(bucket, variant, seconds, accepted)
+            self.planner.done(bucket, variant, seconds, accepted)
             stats.count_shape(variant.tag)
             yield tracker.step(rows, stats, counts_round=True)
         stats.per_request.extend(tracker.request_stats())
 
     def _head_for(self, bucket: int) -> DraftHead | None:
         # Every bucket keeps the draft in step when any round may speculate: slots move.
-        return self.head if self.speculates else None
+        return self.head if self.planner.speculates else None
 
     @property
     def prefill_graphs(self) -> list[tuple[int, int]]:
@@ -443,7 +305,7 @@ class Decoder:
         """A zero-argument call that runs one round (the variant; by default the greedy round
         of the configured tree) of the bucket over its state (replaying its graph on CUDA) and
         returns the report [bucket, 6 + D + 1] int64."""
-        variant = variant or self.variant_for(bucket, [SamplingParams()])
+        variant = variant or self.planner.variant_for(bucket, [SamplingParams()])
         if self._runner is not None:
             self.prepare(bucket, variant=variant)
             return functools.partial(self._runner.replay, (bucket, variant))
@@ -581,15 +443,6 @@ class Decoder:
     def move(self, bucket: int, sources: Sequence[int], dests: Sequence[int]) -> None:
         """Move live slots of the bucket's state into free ones (slots.move)."""
         move(self.state(bucket), sources, dests)
-
-
-def _for_sampling(
-    tree: TreeShape | StaticTree | None, samples: bool
-) -> TreeShape | StaticTree | None:
-    """The tree a batch runs: a stochastic shape as its top-k tree when nobody samples."""
-    if isinstance(tree, TreeShape) and tree.stochastic and not samples:
-        return dataclasses.replace(tree, stochastic=False)
-    return tree
 
 
 def settle_heap() -> None:

@@ -25,9 +25,10 @@ from ..models.loading import load_draft, load_target
 from ..models.tokenizer import Tokenizer
 from . import aot, cost_profile
 from .config import EngineConfig, SamplingParams, default_trees, validate_prompt_ids
-from .decoder import BucketWarmup, Decoder, RoundVariant
+from .decoder import BucketWarmup, Decoder
 from .handle import Delta, Output, RequestHandle
 from .requests import check_requests
+from .round_plan import RoundVariant
 from .scheduler import Scheduler
 from .stats import EngineStats
 
@@ -107,7 +108,7 @@ class Engine:
     def _load_cost_profile(self) -> None:
         """Seed the policy's round costs from `specrun tune`'s profile for this decoder, if
         there is one in the cache."""
-        if not self.decoder.policy.adaptive:
+        if not self.decoder.planner.policy.adaptive:
             return
         path = cost_profile.profile_path(self.decoder, cache_root())
         if path.is_file():
@@ -130,7 +131,7 @@ class Engine:
 
     def _warmup(self, **options) -> dict[tuple[int, RoundVariant], BucketWarmup]:
         built = self.decoder.warmup(**options)
-        if self.decoder.policy.adaptive and not self._profiled:
+        if self.decoder.planner.policy.adaptive and not self._profiled:
             # Without a profile the cost policy measures what it just prepared.
             measured = cost_profile.measure(self.decoder, filtered=options["filtered"])
             cost_profile.seed(self.decoder, measured)

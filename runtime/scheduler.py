@@ -51,10 +51,11 @@ from ..models.tokenizer import Tokenizer
 from .acceptance import AcceptanceBook
 from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, SamplingParams
-from .decoder import Decoder, RoundVariant, settle_heap
+from .decoder import Decoder, settle_heap
 from .handle import FINISH_CANCELLED, Delta, EngineClosedError, EngineOverloadedError, RequestHandle
 from .reports import ReportReader, host_lag, row_finish, row_signals, row_tokens
 from .round import ReportColumns
+from .round_plan import RoundVariant
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -390,7 +391,7 @@ class Scheduler:
         if not params:
             return
         estimates = [self._acceptance.get(h) for h in owners if h is not None]
-        variant = self.decoder.plan_round(bucket, params, estimates)
+        variant = self.decoder.planner.plan(bucket, params, estimates)
         if self.decoder.use_graphs and (bucket, variant) not in self.decoder.warmups:
             self.decoder.prepare(bucket, variant=variant, prefill=False)
             settle_heap()
@@ -432,7 +433,7 @@ class Scheduler:
             accepted.append(num_accepted)
             self._acceptance.observe(handle, variant.tree, num_accepted, row_signals(row))
             self._deliver(handle, row)
-        self.decoder.round_done(bucket, variant, seconds, accepted)
+        self.decoder.planner.done(bucket, variant, seconds, accepted)
         with self._cond:
             self._stats.add_round(f"{bucket}:{variant.tag}", seconds, histogram)
 

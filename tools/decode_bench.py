@@ -270,14 +270,14 @@ def bench_bucket(
     )
     decoder = Decoder(target, head if tree is not None else None, config)
     state = decoder.state(bucket)
-    stochastic = decoder.is_stochastic(bucket)
+    stochastic = decoder.planner.is_stochastic(bucket)
     refill = functools.partial(
         fill_state, state, context=context, vocab_size=target.config.vocab_size,
         temperature=1.0 if stochastic else 0.0,
     )  # fmt: skip
     refill()
     started = time.perf_counter()
-    variant = decoder.variant_for(bucket, [SamplingParams(temperature=float(stochastic))])
+    variant = decoder.planner.variant_for(bucket, [SamplingParams(temperature=float(stochastic))])
     warmup = decoder.prepare(bucket, variant=variant, prefill=False)
     run = decoder.round_runner(bucket, variant=variant)
     point = {

@@ -31,8 +31,8 @@ TREES = {1: TreeShape(4, 3, 10), 2: TreeShape(3, 2, 6), 4: TreeShape(2, 2, 4)}
 def _decoder(target, head, seed: int) -> tuple[Decoder, ShuffledPolicy]:
     config = EngineConfig(device="cpu", buckets=(1, 2, 4), trees=TREES, max_seq_len=128)
     decoder = Decoder(target, head, config)
-    decoder.policy = ShuffledPolicy(seed)
-    return decoder, decoder.policy
+    decoder.planner.policy = ShuffledPolicy(seed)
+    return decoder, decoder.planner.policy
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,9 @@ from specrun.runtime.config import (
     SamplingParams,
     default_trees,
 )
-from specrun.runtime.decoder import Decoder, RoundVariant
+from specrun.runtime.decoder import Decoder
 from specrun.runtime.reference import reference_generate
+from specrun.runtime.round_plan import RoundVariant
 from specrun.runtime.stats import DecodeStats
 from specrun.runtime.tree import TreeShape
 from tiny_models import TargetAsDraft, decode_tokens, random_llama, tiny_config
@@ -100,18 +101,20 @@ def test_round_variants_follow_the_requests_and_the_buckets_trees(target):
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
     filtered = SamplingParams(temperature=0.7, top_p=0.9)
     stochastic = RoundVariant(tree=stochastic_tree)
-    assert decoder.variant_for(1, [greedy, greedy]) == RoundVariant(tree=top_k_tree)
-    assert decoder.variant_for(1, [greedy, sampled]) == stochastic
-    assert decoder.variant_for(1, [filtered]) == RoundVariant(tree=stochastic_tree, filtered=True)
-    assert decoder.variant_for(2, [greedy, sampled]) == RoundVariant(tree=shallow)
-    assert decoder.variant_for(4, [filtered]) == RoundVariant(filtered=True)
-    assert decoder.variants(1) == [RoundVariant(tree=top_k_tree), stochastic]
-    assert decoder.variants(2, filtered=True) == [
+    assert decoder.planner.variant_for(1, [greedy, greedy]) == RoundVariant(tree=top_k_tree)
+    assert decoder.planner.variant_for(1, [greedy, sampled]) == stochastic
+    assert decoder.planner.variant_for(1, [filtered]) == RoundVariant(
+        tree=stochastic_tree, filtered=True
+    )
+    assert decoder.planner.variant_for(2, [greedy, sampled]) == RoundVariant(tree=shallow)
+    assert decoder.planner.variant_for(4, [filtered]) == RoundVariant(filtered=True)
+    assert decoder.planner.variants(1) == [RoundVariant(tree=top_k_tree), stochastic]
+    assert decoder.planner.variants(2, filtered=True) == [
         RoundVariant(tree=shallow),
         RoundVariant(tree=shallow, filtered=True),
     ]
     plain = [RoundVariant(num_pending=4), RoundVariant(num_pending=1)]  # depth 3: 4 wide
-    assert decoder.variants(4) == plain
+    assert decoder.planner.variants(4) == plain
     assert set(decoder.warmup()) == {
         (1, RoundVariant(tree=top_k_tree)),
         (1, stochastic),
@@ -126,14 +129,22 @@ def test_an_adaptive_policy_builds_each_buckets_ladder(target):
     """Under the cost policy every bucket may run its tree, smaller ones and plain decoding;
     plain rounds keep the draft in step; a plain-only decoder (no head) has no ladder."""
     decoder = _decoder(target)
-    assert decoder.shapes(1) == (TreeShape(4, 3, 10), TreeShape(3, 2, 4), TreeShape(2, 2, 3), None)
-    assert decoder.shapes(4) == (None,)
+    assert decoder.planner.shapes(1) == (
+        TreeShape(4, 3, 10),
+        TreeShape(3, 2, 4),
+        TreeShape(2, 2, 3),
+        None,
+    )
+    assert decoder.planner.shapes(4) == (None,)
     greedy = [SamplingParams()]
-    assert [v.tree for v in decoder.candidates(1, greedy)] == list(decoder.shapes(1))
-    assert RoundVariant(num_pending=5) in decoder.launchable(1, greedy)
-    assert RoundVariant(num_pending=1) in decoder.launchable(1, greedy)
+    assert [v.tree for v in decoder.planner.candidates(1, greedy)] == list(
+        decoder.planner.shapes(1)
+    )
+    assert RoundVariant(num_pending=5) in decoder.planner.launchable(1, greedy)
+    assert RoundVariant(num_pending=1) in decoder.planner.launchable(1, greedy)
     plain = Decoder(target, None, EngineConfig(device="cpu", buckets=(1, 2)))
-    assert plain.shapes(1) == (None,) and plain.launchable(2, greedy) == [RoundVariant()]
+    assert plain.planner.shapes(1) == (None,)
+    assert plain.planner.launchable(2, greedy) == [RoundVariant()]
 
 
 def test_greedy_batches_run_a_stochastic_bucket_as_its_top_k_tree(target, monkeypatch):

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from specrun.runtime.config import EngineConfig, SamplingParams
-from specrun.runtime.decoder import Decoder, RoundVariant
+from specrun.runtime.decoder import Decoder
 from specrun.runtime.reference import reference_generate
+from specrun.runtime.round_plan import RoundVariant
 from specrun.runtime.stats import DecodeStats
 from specrun.runtime.tree import TreeShape
 from tiny_models import TargetAsDraft, decode_tokens, random_head, random_llama, tiny_config
@@ -58,23 +59,28 @@ def test_graphs_decode_what_eager_rounds_decode_in_every_bucket(kind):
             assert _decode(graphs, prompts, params) == _decode(eager, prompts, params)
             want = reference_generate(target, prompts, params)
             assert _decode(graphs, prompts, params) == [w.token_ids for w in want]
-    assert set(graphs.warmups) == {(bucket, RoundVariant()) for bucket in BUCKETS}
+    # Every round of every bucket's ladder (the cost policy's), each captured once.
+    assert set(graphs.warmups) == {
+        (bucket, variant) for bucket in BUCKETS for variant in graphs.planner.variants(bucket)
+    }
     graphs.close()
 
 
-def test_a_stochastic_bucket_replays_its_greedy_and_sampled_rounds():
+def test_a_stochastic_bucket_replays_its_greedy_and_sampled_rounds(fresh_seeds):
     """A stochastic bucket captures two rounds. Greedy batches replay the top-k one and decode
-    the reference; sampling batches replay the sampled one, in which a head equal to the
-    target has every draft accepted (all D per round but each request's last)."""
+    the reference; sampling batches (unseeded: seeded requests never draft stochastically)
+    replay the sampled one, in which a head equal to the target has every draft accepted (all
+    D per round but each request's last)."""
     target, head = _models("self")
     shape = TreeShape(3, 2, 6, stochastic=True)
-    config = _config(compile=True, cuda_graphs=True, buckets=(2,), trees={2: shape})
+    config = _config(compile=True, cuda_graphs=True, buckets=(2,), trees={2: shape}, policy="fixed")
     decoder = Decoder(target, head, config)
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    sampled = dataclasses.replace(greedy, temperature=1.0, seed=1)
+    sampled = dataclasses.replace(greedy, temperature=1.0)
     stats = DecodeStats()
+    top_k = RoundVariant(tree=dataclasses.replace(shape, stochastic=False))
     with torch.inference_mode():
-        assert set(decoder.warmup()) == {(2, RoundVariant()), (2, RoundVariant(stochastic=True))}
+        assert set(decoder.warmup()) == {(2, top_k), (2, RoundVariant(tree=shape))}
         want = reference_generate(target, PROMPTS[:2], greedy)
         assert _decode(decoder, PROMPTS[:2], greedy) == [w.token_ids for w in want]
         decode_tokens(decoder, PROMPTS[:2], sampled, stats=stats)

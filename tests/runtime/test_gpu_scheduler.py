@@ -47,7 +47,7 @@ def test_requests_across_bucket_boundaries_need_no_compile_or_capture(policy):
     config = EngineConfig(device="cuda", buckets=(1, 2, 4), trees=TREES, max_seq_len=128)
     decoder = Decoder(target, head, config)
     if policy == "shuffled":
-        decoder.policy = ShuffledPolicy(seed=0)
+        decoder.planner.policy = ShuffledPolicy(seed=0)
     scheduler = Scheduler(
         decoder, tokenizer=None, max_waiting=16, max_prefill_tokens=16, threaded=False
     )

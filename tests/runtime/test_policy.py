@@ -18,7 +18,6 @@ from specrun.runtime.acceptance import (
     level_width,
 )
 from specrun.runtime.config import POLICY_NAMES, EngineConfig
-from specrun.runtime.decoder import RoundVariant
 from specrun.runtime.policy import (
     EXPLORE_EVERY,
     POLICIES,
@@ -28,6 +27,7 @@ from specrun.runtime.policy import (
     tree_ladder,
 )
 from specrun.runtime.round import acceptance_signals
+from specrun.runtime.round_plan import RoundVariant
 from specrun.runtime.tree import TreeShape
 
 DEEP = TreeShape(6, 8, 40)

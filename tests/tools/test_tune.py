@@ -48,9 +48,9 @@ def test_tune_profiles_the_ladder_and_engines_start_from_it(dirs, tmp_path, monk
     config = EngineConfig(device="cpu", buckets=(1, 2), max_seq_len=64)
     engine = Engine.from_pretrained(model, draft=head, config=config)
     decoder = engine.decoder
-    for variant in decoder.candidates(1, [SamplingParams()]):
+    for variant in decoder.planner.candidates(1, [SamplingParams()]):
         want = profile["milliseconds"]["1"][variant.tag] / 1e3
-        assert decoder.costs.get(1, variant) == pytest.approx(want)
+        assert decoder.planner.costs.get(1, variant) == pytest.approx(want)
     engine.close()
 
 

@@ -1,0 +1,180 @@
+"""Which round a batch runs next: the rounds each bucket may run (`RoundVariant`: a tree of the
+bucket's ladder or plain decoding, for the requests' sampling parameters), and the choice
+among them before each launch by the speculation policy (runtime/policy.py) from the round
+costs and the requests' acceptance estimates (runtime/acceptance.py).
+
+The Decoder owns one `RoundPlanner` (`Decoder.planner`), compiles and captures every round
+`variants` lists, and runs what `plan` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .acceptance import AcceptanceEstimate, RoundCosts
+from .config import EngineConfig, SamplingParams
+from .policy import make_policy, tree_ladder
+from .sampling import needs_filtering
+from .tree import StaticTree, TreeShape
+
+
+@dataclass(frozen=True)
+class RoundVariant:
+    """One of a bucket's rounds: each is compiled (and on CUDA captured) on its own; the
+    policy picks the tree among the bucket's shapes and the requests' parameters the rest
+    (`RoundPlanner.plan`).
+
+    tree: the tree drafted and verified (None: plain decoding). A stochastic TreeShape only
+        when some request samples: a batch of greedy requests runs it as its top-k tree, which
+        greedy rows draft and walk anyway, without the sampled draft and the rejection walk.
+    filtered: some request samples with top-k / top-p (see SamplingTensors.filtered).
+    num_pending: plain rounds of a decoder that speculates keep its draft cache in step
+        (round.synced_decode_round): the pending columns they commit first, the whole width
+        after a speculative round and 1 after a plain one or a prefill. 0 otherwise.
+    """
+
+    tree: TreeShape | StaticTree | None = None
+    filtered: bool = False
+    num_pending: int = 0
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether sampling rows draft by sampling and walk by rejection."""
+        return isinstance(self.tree, TreeShape) and self.tree.stochastic
+
+    @property
+    def tag(self) -> str:
+        """A short name for tables, logs and metrics: the tree ("plain", "D,K,N" or
+        "staticN"), then "f" if filtered and "s" if stochastic."""
+        return tree_label(self.tree) + "f" * self.filtered + "s" * self.stochastic
+
+
+def tree_label(tree: TreeShape | StaticTree | None) -> str:
+    """ "plain", "D,K,N" for a TreeShape, "staticN" for a StaticTree of N nodes."""
+    if tree is None:
+        return "plain"
+    if isinstance(tree, StaticTree):
+        return f"static{tree.num_nodes}"
+    return f"{tree.depth},{tree.topk},{tree.num_nodes}"
+
+
+class RoundPlanner:
+    """The rounds of every bucket and the choice among them.
+
+    Args:
+        config: buckets, tree table and policy name.
+        has_head: whether there is a draft head (without one, every round is plain).
+    """
+
+    def __init__(self, config: EngineConfig, *, has_head: bool) -> None:
+        self.config = config
+        self._has_head = has_head
+        self.policy = make_policy(config.policy)
+        self.costs = RoundCosts()
+        self._shapes = {bucket: self._ladder(bucket) for bucket in config.buckets}
+        self.speculates = any(t is not None for shapes in self._shapes.values() for t in shapes)
+        # Pending pairs are as wide as the deepest tree of any bucket: a slot that moves into
+        # a shallower bucket may hold more pairs than that bucket's round produces.
+        self.max_depth = max(map(self.depth_for, config.buckets))
+        # Whether the last round launched speculated (see RoundVariant.num_pending).
+        self._wide_pending = False
+
+    @property
+    def num_shapes(self) -> int:
+        """The shapes of all buckets together."""
+        return sum(len(shapes) for shapes in self._shapes.values())
+
+    def tree_for(self, bucket: int) -> TreeShape | StaticTree | None:
+        """The bucket's configured draft tree (None: plain decoding)."""
+        return self.config.tree_for(bucket) if self._has_head else None
+
+    def shapes(self, bucket: int) -> tuple[TreeShape | StaticTree | None, ...]:
+        """The trees the bucket's rounds may run, its configured one first (policy.tree_ladder
+        for an adaptive policy; None: plain decoding)."""
+        return self._shapes[bucket]
+
+    def _ladder(self, bucket: int) -> tuple[TreeShape | StaticTree | None, ...]:
+        tree = self.tree_for(bucket)
+        return tree_ladder(tree) if self.policy.adaptive else (tree,)
+
+    def is_stochastic(self, bucket: int) -> bool:
+        """Whether the bucket's configured tree is stochastic for requests that sample."""
+        tree = self.tree_for(bucket)
+        return isinstance(tree, TreeShape) and tree.stochastic
+
+    def depth_for(self, bucket: int) -> int:
+        """The deepest tree the bucket's rounds may run (0: plain decoding only)."""
+        return max((tree.depth for tree in self.shapes(bucket) if tree is not None), default=0)
+
+    def candidates(self, bucket: int, params: Sequence[SamplingParams]) -> list[RoundVariant]:
+        """The rounds a batch of these requests may run in the bucket, one per shape."""
+        samples = any(not p.greedy for p in params)
+        trees = [_for_sampling(tree, samples) for tree in self.shapes(bucket)]
+        filtered = needs_filtering(params)
+        return [RoundVariant(tree=tree, filtered=filtered) for tree in trees]
+
+    def variant_for(self, bucket: int, params: Sequence[SamplingParams]) -> RoundVariant:
+        """The round a batch of these requests runs in the bucket with its configured tree."""
+        return self.candidates(bucket, params)[0]
+
+    def launchable(self, bucket: int, params: Sequence[SamplingParams]) -> list[RoundVariant]:
+        """Every round `plan` may launch in the bucket for these requests (plain rounds at
+        both pending widths)."""
+        found = []
+        for variant in self.candidates(bucket, params):
+            if variant.tree is None and self.speculates:
+                for width in (self.max_depth + 1, 1):
+                    found.append(dataclasses.replace(variant, num_pending=width))
+            else:
+                found.append(variant)
+        return found
+
+    def variants(self, bucket: int, *, filtered: bool = False) -> list[RoundVariant]:
+        """Every round the bucket may run for greedy and plainly sampling requests, and with
+        `filtered` for top-k / top-p ones too (`launchable` for each kind)."""
+        kinds = [SamplingParams(), SamplingParams(temperature=1.0)]
+        if filtered:
+            kinds.append(SamplingParams(temperature=1.0, top_k=1))
+        found = [v for params in kinds for v in self.launchable(bucket, [params])]
+        return list(dict.fromkeys(found))
+
+    def plan(
+        self,
+        bucket: int,
+        params: Sequence[SamplingParams],
+        estimates: Sequence[AcceptanceEstimate],
+    ) -> RoundVariant:
+        """The round to launch next in the bucket for live requests with these parameters and
+        acceptance estimates: the policy's choice among `candidates`, with the pending width
+        a plain round needs. Call it for every round launched, in launch order."""
+        found = self.candidates(bucket, params)
+        chosen = (
+            found[0]
+            if len(found) == 1
+            else self.policy.choose(bucket, found, estimates, self.costs)
+        )
+        if chosen.tree is None and self.speculates:
+            width = self.max_depth + 1 if self._wide_pending else 1
+            chosen = dataclasses.replace(chosen, num_pending=width)
+        self._wide_pending = chosen.tree is not None
+        return chosen
+
+    def done(
+        self, bucket: int, variant: RoundVariant, seconds: float, accepted: Sequence[int]
+    ) -> None:
+        """Tell the cost table and the policy about a round read back: its seconds and its
+        live rows' accepted draft tokens."""
+        key = dataclasses.replace(variant, num_pending=0)
+        self.costs.observe(bucket, key, seconds)
+        self.policy.observe(bucket, key, accepted)
+
+
+def _for_sampling(
+    tree: TreeShape | StaticTree | None, samples: bool
+) -> TreeShape | StaticTree | None:
+    """The tree a batch runs: a stochastic shape as its top-k tree when nobody samples."""
+    if isinstance(tree, TreeShape) and tree.stochastic and not samples:
+        return dataclasses.replace(tree, stochastic=False)
+    return tree
