@@ -56,6 +56,7 @@ class Engine:
         self.decoder = Decoder(model, head, config, eos_token_ids=tokenizer.eos_token_ids)
         # Whether the policy's round costs came from a profile or a warm-up measurement.
         self._profiled = False
+        self._load_cost_profile()
         self._scheduler = Scheduler(
             self.decoder,
             tokenizer=tokenizer,
@@ -102,7 +103,6 @@ class Engine:
         engine = cls(model, Tokenizer.from_dir(model_dir), config, head=head)
         if artifacts is not None:
             aot.load_into(engine.decoder, artifacts, rebuild=aot.compile_command(**command))
-        engine._load_cost_profile()
         return engine
 
     def _load_cost_profile(self) -> None:

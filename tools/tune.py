@@ -18,6 +18,7 @@ from ..runtime import cost_profile
 from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees
 from ..runtime.engine import Engine
 from .generate import draft_dir
+from .serve import random_8b_engine
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
     )  # fmt: skip
     parser.add_argument("--no-draft", action="store_true", help="plain decoding only")
+    parser.add_argument(
+        "--random-8b", action="store_true",
+        help="Llama-3.1-8B shapes with random weights and a random EAGLE-3 head, as `specrun "
+        "serve --random-8b` runs them (the default trees)",
+    )  # fmt: skip
     parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
     parser.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -46,7 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
-    draft = draft_dir(args)
+    if args.random_8b and (args.model or args.draft):
+        raise ValueError("--random-8b builds its own model and head; drop --model/--draft")
+    draft = None if args.random_8b else draft_dir(args)
     config = EngineConfig(
         device=args.device,
         dtype=args.dtype,
@@ -54,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
         trees=default_trees(draft),
         max_seq_len=args.max_seq_len,
     )
-    engine = Engine.from_pretrained(args.model, draft=draft or False, config=config)
+    if args.random_8b:
+        engine = random_8b_engine(config, plain=args.no_draft)
+    else:
+        engine = Engine.from_pretrained(args.model, draft=draft or False, config=config)
     profile = cost_profile.measure(engine.decoder, num_rounds=args.rounds, filtered=args.filtered)
     profile = cost_profile.CostProfile(
         profile.identity, profile.milliseconds, profile.created, command(args)
@@ -74,6 +85,7 @@ def command(args: argparse.Namespace) -> str:
     words += ["--model", str(args.model)] if args.model else []
     words += ["--draft", str(args.draft)] if args.draft else []
     words += ["--no-draft"] if args.no_draft else []
+    words += ["--random-8b"] if args.random_8b else []
     words += ["--buckets", *map(str, args.buckets), "--max-seq-len", str(args.max_seq_len)]
     words += ["--device", args.device, "--dtype", args.dtype, "--rounds", str(args.rounds)]
     words += ["--filtered"] if args.filtered else []
