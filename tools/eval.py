@@ -1,8 +1,10 @@
 """`specrun eval`: how well a draft head speculates for its model.
 
-For each tree shape and temperature: every prompt is decoded alone (batch 1) speculatively
-with the head, and compared with plain decoding of the same prompts (no head, measured once per
-temperature with the same engine settings). Each point is one JSON line: mean accepted length
+For each tree shape (run fixed, and with `--policy` each named speculation policy choosing
+among the first tree's ladder), temperature and batch size: the prompts are decoded that many
+at a time (alone by default) speculatively with the head, and compared with plain decoding of
+the same prompts (no head, measured once per temperature and batch size with the same engine
+settings). Each point is one JSON line: mean accepted length
 (tokens per round), the histogram of accepted draft tokens per round, tokens/s of both and the
 speed-up, and where each side's time went (prefill, rounds on the GPU, the rest). A table
 follows on stdout; `--plot` also draws the histograms and the accepted length by tree shape
@@ -35,6 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompts", required=True, help='JSONL of {"prompt": ...} lines')
     parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1],
+        help="decode the prompts this many at a time (each its own point; the prompts repeat "
+        "to fill a batch larger than their number)",
+    )  # fmt: skip
     add_tree_arguments(parser)
     parser.add_argument(
         "--trees",
@@ -77,32 +84,41 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         check_plotting()
     prompts = read_prompts(args.prompts)[: args.max_prompts]
+    if min(args.batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes must be positive, got {args.batch_sizes}")
+    batch_sizes = sorted(set(args.batch_sizes))
     config = EngineConfig(
         device=args.device,
         dtype=args.dtype,
         chat_template=not args.raw,
-        buckets=(1,),
+        buckets=tuple(batch_sizes),
         trees={1: shapes[0]},
         policy="fixed",
     )
+    points = [(t, b) for t in args.temperatures for b in batch_sizes]
     # Loaded once; every side below is an engine of its own over these modules (an engine
     # allocates its caches and graphs when first used).
     loaded = Engine.from_pretrained(args.model, draft=args.draft, config=config)
     model, tokenizer, head = loaded.model, loaded.tokenizer, loaded.head
     plain = Engine(model, tokenizer, config)
-    baselines = {t: measure(plain, prompts, _params(args, t)) for t in args.temperatures}
+    baselines = {(t, b): measure(plain, prompts, _params(args, t), b) for t, b in points}
     plain.close()
     records = []
     sides = [(shape, "fixed") for shape in shapes] + [(shapes[0], name) for name in args.policy]
     for shape, policy in sides:
         side_config = dataclasses.replace(config, trees={1: shape}, policy=policy)
         spec = Engine(model, tokenizer, side_config, head=head)
-        for temperature in args.temperatures:
-            spec_stats = measure(spec, prompts, _params(args, temperature))
-            baseline = baselines[temperature]
-            records.append(
-                point_record(shape, temperature, spec_stats, baseline, len(prompts), policy=policy)
+        for temperature, batch_size in points:
+            spec_stats = measure(spec, prompts, _params(args, temperature), batch_size)
+            record = point_record(
+                shape,
+                temperature,
+                spec_stats,
+                baselines[temperature, batch_size],
+                max(len(prompts), batch_size),
+                policy=policy,
             )
+            records.append({**record, "batch_size": batch_size})
         spec.close()
     lines = [json.dumps(record) for record in records]
     for line in lines:
@@ -133,10 +149,13 @@ def _params(args: argparse.Namespace, temperature: float) -> SamplingParams:
     )
 
 
-def measure(engine: Engine, prompts: list, params: SamplingParams) -> EngineStats:
-    """Decode every prompt alone (batch 1); returns the statistics of those requests only.
-    The graphs (the rounds', and on CUDA the prefills' of every prompt length) are prepared
-    and one untimed request is made first, so lazy initialisation is not charged to it."""
+def measure(
+    engine: Engine, prompts: list, params: SamplingParams, batch_size: int = 1
+) -> EngineStats:
+    """Decode the prompts `batch_size` at a time (repeated to fill one batch if there are
+    fewer); returns the statistics of those requests only. The graphs (the rounds', and on
+    CUDA the prefills' of every prompt length) are prepared and one untimed request is made
+    first, so lazy initialisation is not charged to it."""
     prompt_lengths = [len(engine.encode_prompt(prompt)) for prompt in prompts]
     engine.warmup(progress=False, prompt_lengths=prompt_lengths)
     engine.generate(prompts[0], _warmup_params(params))
@@ -144,8 +163,11 @@ def measure(engine: Engine, prompts: list, params: SamplingParams) -> EngineStat
     side = "plain"
     if engine.head is not None:
         side = "{} tree {},{},{}".format(engine.config.policy, *_shape_of(engine))
-    for prompt in tqdm(prompts, desc=f"{side} T={params.temperature:g}", unit="prompt"):
-        engine.generate(prompt, params)
+    repeated = (prompts * -(-batch_size // len(prompts)))[: max(len(prompts), batch_size)]
+    batches = [repeated[i : i + batch_size] for i in range(0, len(repeated), batch_size)]
+    desc = f"{side} T={params.temperature:g} B={batch_size}"
+    for batch in tqdm(batches, desc=desc, unit="batch"):
+        engine.generate(batch, params)
     return _since(before, engine.stats())
 
 
@@ -238,18 +260,19 @@ def time_breakdown(stats: EngineStats, *, prefix: str = "") -> dict:
 
 
 def format_table(records: list[dict]) -> str:
-    """One row per tree shape and temperature: accepted length, tokens/s with and without the
-    head (wall time, prefills included), the mean round and plain step, and the speed-up of
-    the rounds alone."""
+    """One row per tree shape (or policy), temperature and batch size: accepted length,
+    tokens/s with and without the head (wall time, prefills included), the mean round and
+    plain step, and the speed-up of the rounds alone."""
     header = (
-        f"{'tree':>18} {'temp':>6} {'accept len':>10} {'spec tok/s':>11} {'plain tok/s':>12} "
-        f"{'speedup':>8} {'round ms':>9} {'step ms':>8} {'decode speedup':>15}"
+        f"{'tree':>18} {'temp':>6} {'batch':>5} {'accept len':>10} {'spec tok/s':>11} "
+        f"{'plain tok/s':>12} {'speedup':>8} {'round ms':>9} {'step ms':>8} {'decode speedup':>15}"
     )
     rows = [header, "-" * len(header)]
     for r in records:
         tree = tree_label(r)
         rows.append(
-            f"{tree:>18} {r['temperature']:>6.2f} {r['mean_accepted_length']:>10.2f} "
+            f"{tree:>18} {r['temperature']:>6.2f} {r.get('batch_size', 1):>5} "
+            f"{r['mean_accepted_length']:>10.2f} "
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
             f"{r['speedup']:>7.2f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
             f"{r['decode_speedup']:>14.2f}x"

@@ -177,3 +177,20 @@ def test_bench_cold_start_reports_a_fresh_process(model_dir, tmp_path, capsys):
     assert 0 < point["bucket_prepare_s"]["1:plain"] <= point["warmup_s"]
     stats = pstats.Stats(str(tmp_path / "profile" / "cold-jit-0-warmup.pstats"))
     assert any(name == "warmup" for _, _, name in stats.stats)
+
+
+def test_eval_measures_each_batch_size(model_dir, prompts_file, tmp_path):
+    """--batch-sizes: one point per batch size, the prompts repeated to fill a batch larger
+    than their number, each against plain decoding at the same batch size."""
+    target = random_llama(tiny_config(), seed=0)
+    draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
+    json_path = tmp_path / "eval.jsonl"
+    argv = ["eval", "--model", str(model_dir), "--draft", str(draft_dir)]
+    argv += ["--prompts", str(prompts_file), "--temperatures", "0", "--max-new-tokens", "10"]
+    argv += ["--trees", "3,2,5", "--batch-sizes", "4", "1", "--ignore-eos", "--json"]
+    argv += [str(json_path), "--device", "cpu", "--dtype", "float32"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in json_path.read_text().splitlines()]
+    assert [(r["batch_size"], r["num_prompts"]) for r in records] == [(1, 3), (4, 4)]
+    assert [r["num_generated_tokens"] for r in records] == [30, 40]
+    assert records[0]["baseline_wall_seconds"] != records[1]["baseline_wall_seconds"]
