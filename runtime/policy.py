@@ -113,7 +113,7 @@ class _ExploringPolicy(Policy):
     def _settle(self, bucket: int, candidates: Sequence[Candidate], best: Candidate) -> Candidate:
         """Run `best`, or the exploring round when it is due."""
         if best.tree is None and self._plain_streak.get(bucket, 0) >= EXPLORE_EVERY:
-            speculative = [c for c in candidates if c.tree is not None]
+            speculative = _speculative(candidates)
             if speculative:
                 return self._ran(bucket, speculative[-1], explored=True)
         return self._ran(bucket, best)
@@ -145,7 +145,7 @@ class DsdePolicy(_ExploringPolicy):
     name = "dsde"
 
     def choose(self, bucket, candidates, requests, costs):
-        speculative = [c for c in candidates if c.tree is not None]
+        speculative = _speculative(candidates)
         measured = [r for r in requests if r.num_speculative_rounds]
         if not speculative or not measured:
             return self._ran(bucket, candidates[0])
@@ -202,7 +202,7 @@ class EmaPolicy(Policy):
         self._mean: float | None = None
 
     def choose(self, bucket, candidates, requests, costs):
-        speculative = [c for c in candidates if c.tree is not None] or list(candidates)
+        speculative = _speculative(candidates) or list(candidates)
         if self._mean is None:
             return speculative[0]
         return _nearest_depth(speculative, math.ceil(self._mean) + 1, above=True)
@@ -221,7 +221,7 @@ class GammaTunePolicy(Policy):
         self._gamma: float | None = None
 
     def choose(self, bucket, candidates, requests, costs):
-        speculative = [c for c in candidates if c.tree is not None] or list(candidates)
+        speculative = _speculative(candidates) or list(candidates)
         if self._gamma is None:
             return speculative[0]
         return _nearest_depth(speculative, self._gamma, above=False)
@@ -235,6 +235,11 @@ class GammaTunePolicy(Policy):
             self._gamma = gamma + 1
         else:
             self._gamma = max(1.0, (gamma + sum(accepted) / len(accepted)) / 2)
+
+
+def _speculative(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates that draft a tree."""
+    return [c for c in candidates if c.tree is not None]
 
 
 def _plain_or_first(candidates: Sequence[Candidate]) -> Candidate:

@@ -107,6 +107,15 @@ class EngineStats:
         """Tokens per slot-round (1.0 for plain decoding)."""
         return DecodeStats(accepted_histogram=self.accepted_histogram).mean_accepted_length
 
+    @property
+    def rounds_by_shape(self) -> dict[str, int]:
+        """Rounds per round tag ("plain", "6,8,40", ...), every bucket together."""
+        found: dict[str, int] = {}
+        for key, count in self.rounds_by_bucket.items():
+            shape = key.split(":", 1)[1]
+            found[shape] = found.get(shape, 0) + count
+        return found
+
     def add_round(self, key: str, seconds: float, histogram: list[int]) -> None:
         """Count one round of bucket-and-variant `key` and its slots' accepted draft tokens."""
         self.num_rounds += 1

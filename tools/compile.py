@@ -41,20 +41,14 @@ from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stoch
 from ..runtime.decoder import Decoder
 from ..runtime.graphs import artifacts
 from ..runtime.tree import StaticTree, TreeShape
-from .generate import add_policy_argument, draft_dir
+from .generate import add_model_arguments, add_policy_argument, draft_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "compile", help="compile every bucket's steps ahead of time into an artifact directory"
     )
-    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
-    parser.add_argument(
-        "--draft",
-        default=None,
-        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
-    )
-    parser.add_argument("--no-draft", action="store_true", help="plain decoding only")
+    add_model_arguments(parser)
     parser.add_argument("--out", type=Path, required=True, help="artifact directory to write")
     parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
     parser.add_argument(

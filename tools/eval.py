@@ -187,12 +187,9 @@ def point_record(
 ) -> dict:
     """One JSON line: a tree shape (with an adaptive policy: the first of its ladder) at a
     temperature against plain decoding, with the rounds each shape ran."""
-    shapes: dict[str, int] = {}
-    for key, count in spec_stats.rounds_by_bucket.items():
-        shapes[key.split(":", 1)[1]] = shapes.get(key.split(":", 1)[1], 0) + count
     record = {
         "policy": policy,
-        "rounds_by_shape": shapes,
+        "rounds_by_shape": spec_stats.rounds_by_shape,
         "temperature": temperature,
         "num_prompts": num_prompts,
         "depth": shape.depth,

@@ -25,13 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "generate", help="generate text for a prompt (default model: SmolLM2-135M-Instruct)"
     )
     parser.add_argument("prompt", help="the user message (or raw text with --raw)")
-    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
-    parser.add_argument(
-        "--draft",
-        default=None,
-        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
-    )
-    parser.add_argument("--no-draft", action="store_true", help="decode without speculation")
+    add_model_arguments(parser)
     add_tree_arguments(parser)
     add_policy_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -78,6 +72,17 @@ def run(args: argparse.Namespace) -> int:
     )
     engine.close()
     return 0
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --draft and --no-draft (read back by `draft_dir`)."""
+    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
+    )
+    parser.add_argument("--no-draft", action="store_true", help="decode without speculation")
 
 
 def draft_dir(args: argparse.Namespace) -> str | Path | None:

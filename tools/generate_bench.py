@@ -64,16 +64,14 @@ def measure(
     config = EngineConfig(device=args.device, policy=policy, trees=default_trees(draft))
     engine = Engine.from_pretrained(args.model, draft=draft or False, config=config)
     engine.generate("Say hello.", SamplingParams(max_new_tokens=8))
-    num_tokens, num_rounds, seconds, shapes = 0, 0, 0.0, {}
+    num_tokens, num_rounds, seconds = 0, 0, 0.0
     for prompt in prompts:
         started = time.perf_counter()
         (out,) = engine.generate(prompt, params)
         seconds += time.perf_counter() - started
         num_tokens += len(out.token_ids)
         num_rounds += out.stats.num_rounds
-    for key, count in engine.stats().rounds_by_bucket.items():
-        shape = key.split(":", 1)[1]
-        shapes[shape] = shapes.get(shape, 0) + count
+    shapes = engine.stats().rounds_by_shape
     device = str(engine.decoder.device)
     engine.close()
     row = {

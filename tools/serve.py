@@ -19,7 +19,7 @@ from ..runtime.engine import Engine
 from ..runtime.tree import TreeShape
 from .compile import tree_option_table
 from .eval import parse_tree_shape
-from .generate import add_policy_argument, draft_dir
+from .generate import add_model_arguments, add_policy_argument, draft_dir
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="serve the OpenAI completions and chat API over HTTP (default model: "
         "SmolLM2-135M-Instruct with its shipped head)",
     )  # fmt: skip
-    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
-    parser.add_argument(
-        "--draft", default=None,
-        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
-    )  # fmt: skip
-    parser.add_argument("--no-draft", action="store_true", help="decode without speculation")
+    add_model_arguments(parser)
     parser.add_argument(
         "--random-8b", action="store_true",
         help="for benchmarks: Llama-3.1-8B shapes with random weights and a random EAGLE-3 "

@@ -17,7 +17,7 @@ from ..models.default import cache_root
 from ..runtime import cost_profile
 from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees
 from ..runtime.engine import Engine
-from .generate import draft_dir
+from .generate import add_model_arguments, draft_dir
 from .serve import random_8b_engine
 
 
@@ -25,12 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "tune", help="measure every round's cost on this device for the cost policy"
     )
-    parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
-    parser.add_argument(
-        "--draft", default=None,
-        help="EAGLE draft-head directory (default: the shipped head for the embedded model)",
-    )  # fmt: skip
-    parser.add_argument("--no-draft", action="store_true", help="plain decoding only")
+    add_model_arguments(parser)
     parser.add_argument(
         "--random-8b", action="store_true",
         help="Llama-3.1-8B shapes with random weights and a random EAGLE-3 head, as `specrun "
