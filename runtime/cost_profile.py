@@ -4,11 +4,10 @@
 `measure` times every round a decoder may run in each bucket (each shape of its ladder, each
 round variant, the captured graphs themselves on CUDA) over a state of done slots, and
 returns a `CostProfile`: the identity of what was measured (device, torch and Triton
-versions, dtype, the target's and head's shapes, CUDA graphs or not) and bucket -> round
-tag -> milliseconds. `specrun tune` writes it into the cache (`profile_path`) and
-`specrun compile` into its artifacts; `load_into` seeds a decoder's `RoundCosts` from a
-profile after checking it was measured for this decoder, and refuses one measured for
-something else, saying how to rebuild it.
+versions, dtype, the target's and head's shapes, compiled or eager, CUDA graphs or not) and
+bucket -> round tag -> milliseconds. `specrun tune` writes it into the cache (`profile_path`);
+`load_into` seeds a decoder's `RoundCosts` from a profile after checking it was measured for
+this decoder, and refuses one measured for something else, saying how to rebuild it.
 """
 
 from __future__ import annotations
@@ -32,11 +31,10 @@ from .slots import restore_rows, save_rows
 
 logger = logging.getLogger(__name__)
 
-PROFILE_FILE = "cost_profile.json"
 # The fields of an artifacts manifest that decide what a round costs.
 IDENTITY_FIELDS = (
     "torch", "triton", "device", "capability", "dtype", "model", "head", "max_seq_len",
-    "cuda_graphs",
+    "cuda_graphs", "compiled",
 )  # fmt: skip
 
 
@@ -72,7 +70,8 @@ class CostProfile:
 def identity(decoder: Decoder) -> dict[str, object]:
     """What a profile of this decoder's rounds depends on."""
     manifest = expected_manifest(decoder)
-    found = {name: getattr(manifest, name) for name in IDENTITY_FIELDS}
+    found = {name: getattr(manifest, name) for name in IDENTITY_FIELDS if name != "compiled"}
+    found["compiled"] = decoder.compiled
     return json.loads(json.dumps(found))  # tuples as lists, as a loaded profile has them
 
 
@@ -134,13 +133,10 @@ def _median_seconds(run, num_rounds: int, *, cuda: bool) -> float:
 
 
 def load_into(decoder: Decoder, path: str | Path, *, rebuild: str) -> CostProfile:
-    """Seed the decoder's round costs from the profile at `path` (a file, or an artifact
-    directory holding PROFILE_FILE). Raises ValueError if it was measured for another
-    device, software or model, naming what differs and `rebuild`, the command that remakes
-    it."""
+    """Seed the decoder's round costs from the profile file at `path`. Raises ValueError if
+    it was measured for another device, software or model, naming what differs and
+    `rebuild`, the command that remakes it."""
     path = Path(path)
-    if path.is_dir():
-        path = path / PROFILE_FILE
     profile = CostProfile.from_json(path.read_text(), path=path)
     current = identity(decoder)
     differs = [

@@ -91,12 +91,12 @@ class Decoder:
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = target.lm_head.weight.device
         self.use_graphs = config.resolved_cuda_graphs()
-        self._compiled = config.resolved_compile()
+        self.compiled = config.resolved_compile()
         self.planner = RoundPlanner(config, has_head=head is not None)
         self._round, self._decode = speculative_round, decode_round
         self._synced_decode = synced_decode_round
         self._prefill_target = self._prefill_draft = None
-        if self._compiled:
+        if self.compiled:
             # Greedy, sampled and top-k/top-p rounds of each bucket's shapes (RoundVariant).
             num_graphs = 3 * self.planner.num_shapes + 2
             self._round = compile_round(speculative_round, recompile_limit=num_graphs)
@@ -314,7 +314,7 @@ class Decoder:
     def compiled_steps(self) -> dict[str, CompiledStep]:
         """The compiled steps by name (round, decode, synced_decode, prefill_target,
         prefill_draft); empty with compilation off."""
-        if not self._compiled:
+        if not self.compiled:
             return {}
         steps = (
             self._round,
@@ -370,7 +370,7 @@ class Decoder:
         steps' guards hold the strides of its views: the same whatever order buckets are
         first used in, as artifacts built in another process need); eagerly, grown to what is
         needed, keeping the slots' contents (growing drops the views of the old store)."""
-        num_slots = self.config.buckets[-1] if self._compiled or self.use_graphs else bucket
+        num_slots = self.config.buckets[-1] if self.compiled or self.use_graphs else bucket
         old = self._store
         if old is None or old.root.shape[0] < num_slots:
             self._states.clear()

@@ -27,7 +27,7 @@ from ..runtime.engine import Engine
 from ..runtime.stats import EngineStats
 from ..runtime.tree import TreeShape
 from .eval_plot import check_plotting, plot_records, tree_label
-from .generate import add_tree_arguments, tree_shape
+from .generate import add_compile_argument, add_tree_arguments, compile_choice, tree_shape
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "to fill a batch larger than their number)",
     )  # fmt: skip
     add_tree_arguments(parser)
+    add_compile_argument(parser)
     parser.add_argument(
         "--trees",
         type=parse_tree_shape,
@@ -58,7 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate the maximum")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=None,
+        help="every request's seed (default: none, fresh draws; a seeded sampling request "
+        "never drafts a stochastic tree, so it measures the top-k tree's acceptance)",
+    )  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--plot", default=None, help="also draw the results into this PNG")
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         buckets=tuple(batch_sizes),
         trees={1: shapes[0]},
         policy="fixed",
+        compile=compile_choice(args),
     )
     points = [(t, b) for t in args.temperatures for b in batch_sizes]
     # Loaded once; every side below is an engine of its own over these modules (an engine

@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arguments(parser)
     add_tree_arguments(parser)
     add_policy_argument(parser)
+    add_compile_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=not args.raw,
         trees=trees,
         policy=args.policy,
+        compile=compile_choice(args),
     )
     engine = Engine.from_pretrained(args.model, draft=draft, config=config)
     for delta in engine.stream(args.prompt, params):
@@ -91,6 +93,20 @@ def draft_dir(args: argparse.Namespace) -> str | Path | None:
     if args.no_draft and args.draft is not None:
         raise ValueError("--draft and --no-draft contradict each other; pass one")
     return resolve_draft(args.model, False if args.no_draft else args.draft)
+
+
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    """--no-compile (read back by `compile_choice`)."""
+    parser.add_argument(
+        "--no-compile", action="store_true",
+        help="run the rounds eagerly instead of compiling them with Inductor (on CUDA still "
+        "captured in CUDA graphs): starts in seconds instead of minutes, decodes slower",
+    )  # fmt: skip
+
+
+def compile_choice(args: argparse.Namespace) -> bool | None:
+    """EngineConfig.compile for --no-compile: off, else the device's default."""
+    return False if args.no_compile else None
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:

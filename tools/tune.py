@@ -17,7 +17,7 @@ from ..models.default import cache_root
 from ..runtime import cost_profile
 from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees
 from ..runtime.engine import Engine
-from .generate import add_model_arguments, draft_dir
+from .generate import add_compile_argument, add_model_arguments, compile_choice, draft_dir
 from .serve import random_8b_engine
 
 
@@ -26,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tune", help="measure every round's cost on this device for the cost policy"
     )
     add_model_arguments(parser)
+    add_compile_argument(parser)
     parser.add_argument(
         "--random-8b", action="store_true",
         help="Llama-3.1-8B shapes with random weights and a random EAGLE-3 head, as `specrun "
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         buckets=tuple(args.buckets),
         trees=default_trees(draft),
         max_seq_len=args.max_seq_len,
+        compile=compile_choice(args),
     )
     if args.random_8b:
         engine = random_8b_engine(config, plain=args.no_draft)
@@ -81,6 +83,7 @@ def command(args: argparse.Namespace) -> str:
     words += ["--draft", str(args.draft)] if args.draft else []
     words += ["--no-draft"] if args.no_draft else []
     words += ["--random-8b"] if args.random_8b else []
+    words += ["--no-compile"] if args.no_compile else []
     words += ["--buckets", *map(str, args.buckets), "--max-seq-len", str(args.max_seq_len)]
     words += ["--device", args.device, "--dtype", args.dtype, "--rounds", str(args.rounds)]
     words += ["--filtered"] if args.filtered else []
