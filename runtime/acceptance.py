@@ -63,6 +63,9 @@ class AcceptanceEstimate:
     tokens per speculative round).
 
     alpha: starts at the engine's running mean (`AcceptanceBook.prior`).
+    remaining: the tokens the request may still generate, set by the scheduler before each
+        round while no request waits for a slot (the batch then runs until its longest
+        request ends); None while some do.
     """
 
     alpha: float = PRIOR_ALPHA
@@ -75,6 +78,7 @@ class AcceptanceEstimate:
     last_accepted: int = 0
     last_depth: int = 0
     mean_accepted: float = 0.0
+    remaining: int | None = None
 
     def observe(
         self,

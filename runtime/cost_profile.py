@@ -89,9 +89,9 @@ def measure(decoder: Decoder, *, num_rounds: int = 10, filtered: bool = False) -
     for bucket in reversed(decoder.config.buckets):
         rounds = milliseconds.setdefault(bucket, {})
         for variant in decoder.planner.variants(bucket, filtered=filtered):
-            key = dataclasses.replace(variant, num_pending=0)
+            key = variant.cost_key
             if key.tag in rounds:
-                continue  # the other pending width of a plain round: same cost
+                continue  # the plain round that commits the pending pairs: rare, timed as one
             rounds[key.tag] = 1e3 * _time_round(decoder, bucket, variant, num_rounds)
     return CostProfile(
         identity(decoder),
@@ -156,6 +156,6 @@ def seed(decoder: Decoder, profile: CostProfile) -> None:
     for bucket in decoder.config.buckets:
         rounds = profile.milliseconds.get(bucket, {})
         for variant in decoder.planner.variants(bucket, filtered=True):
-            key = dataclasses.replace(variant, num_pending=0)
+            key = variant.cost_key
             if key.tag in rounds:
                 decoder.planner.costs.seed(bucket, key, rounds[key.tag] / 1e3)

@@ -40,7 +40,14 @@ from .prefill import (
 from .prefill_runner import PrefillRunner
 from .reports import ReportReader, SlotTracker, Step, host_lag, row_signals
 from .requests import check_requests
-from .round import ReportColumns, SpecState, decode_round, speculative_round, synced_decode_round
+from .round import (
+    ReportColumns,
+    SpecState,
+    appending_decode_round,
+    decode_round,
+    speculative_round,
+    synced_decode_round,
+)
 from .round_plan import RoundPlanner, RoundVariant
 from .slots import (
     copy_rows,
@@ -95,6 +102,7 @@ class Decoder:
         self.planner = RoundPlanner(config, has_head=head is not None)
         self._round, self._decode = speculative_round, decode_round
         self._synced_decode = synced_decode_round
+        self._appending_decode = appending_decode_round
         self._prefill_target = self._prefill_draft = None
         if self.compiled:
             # Greedy, sampled and top-k/top-p rounds of each bucket's shapes (RoundVariant).
@@ -102,7 +110,10 @@ class Decoder:
             self._round = compile_round(speculative_round, recompile_limit=num_graphs)
             self._decode = compile_step(decode_round, name="decode", recompile_limit=num_graphs)
             self._synced_decode = compile_step(
-                synced_decode_round, name="synced_decode", recompile_limit=2 * num_graphs
+                synced_decode_round, name="synced_decode", recompile_limit=num_graphs
+            )
+            self._appending_decode = compile_step(
+                appending_decode_round, name="appending_decode", recompile_limit=num_graphs
             )
             # Prefills are dynamic: one graph for batch 1 and one for larger batches, whatever
             # the buckets and prompt lengths (see prefill.py); the limit keeps the rounds'
@@ -312,14 +323,15 @@ class Decoder:
         return self._round_step(bucket, variant)
 
     def compiled_steps(self) -> dict[str, CompiledStep]:
-        """The compiled steps by name (round, decode, synced_decode, prefill_target,
-        prefill_draft); empty with compilation off."""
+        """The compiled steps by name (round, decode, synced_decode, appending_decode,
+        prefill_target, prefill_draft); empty with compilation off."""
         if not self.compiled:
             return {}
         steps = (
             self._round,
             self._decode,
             self._synced_decode,
+            self._appending_decode,
             self._prefill_target,
             self._prefill_draft,
         )
@@ -336,6 +348,8 @@ class Decoder:
             return functools.partial(
                 self._synced_decode, self.target, self.head, state, num_pending=variant.num_pending
             )
+        if variant.appends:
+            return functools.partial(self._appending_decode, self.target, self.head, state)
         return functools.partial(self._decode, self.target, state)
 
     def _prepare_round(self, bucket: int, variant: RoundVariant) -> int:

@@ -10,7 +10,10 @@ Policies, by `EngineConfig.policy` name:
 - `fixed`: the configured tree, every round (no other shape is built).
 - `cost` (the default): the shape that maximises expected tokens per second, the sum over
   live requests of (1 + expected accepted drafts) divided by the round's measured seconds
-  (runtime/acceptance.py); a shape not yet measured runs first. Hysteresis: the current
+  (runtime/acceptance.py); a shape not yet measured runs first. While no request waits for
+  a slot, nothing refills the slots of requests that end, so the batch takes as long as its
+  slowest request: the shape that minimises the rounds that request needs times their cost
+  (the longest of remaining tokens / (1 + expected accepted drafts)). Hysteresis: the current
   shape stays unless another beats it by `HYSTERESIS`. While plain decoding wins, the
   smallest tree runs one round in `EXPLORE_EVERY` so that acceptance estimates stay current.
 - `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
@@ -171,7 +174,16 @@ def dsde_length(estimate: AcceptanceEstimate, max_depth: int) -> float:
 def _tokens_per_second(
     candidate: Candidate, requests: Sequence[AcceptanceEstimate], seconds: float
 ) -> float:
-    return sum(1.0 + r.expected(candidate.tree) for r in requests) / seconds
+    """The batch's expected tokens per second under `candidate`; while no request waits
+    (every `remaining` known), the rate at which its slowest request ends instead, scaled to
+    the batch's tokens."""
+    gains = [1.0 + r.expected(candidate.tree) for r in requests]
+    if not requests or any(r.remaining is None for r in requests):
+        return sum(gains) / seconds
+    total = sum(max(r.remaining, 1) for r in requests)
+    return (
+        min(g / max(r.remaining, 1) for g, r in zip(gains, requests, strict=True)) * total / seconds
+    )
 
 
 class BatchTablePolicy(Policy):

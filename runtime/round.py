@@ -205,6 +205,22 @@ def synced_decode_round(
     return report
 
 
+def appending_decode_round(target: Llama, head: DraftHead, state: SpecState) -> torch.Tensor:
+    """A plain step that leaves the draft behind: its (token, root feature) pair is appended
+    to each live row's pending pairs, for the next round that speculates or commits to put
+    into the draft cache. Every live row must have room (`num_valid` below the pending width,
+    as RoundPlanner.plan sees to). Returns the round report [B, 7] int64."""
+    pending = state.pending
+    report, out, token, was_done = _decode_step(target, state)
+    width = pending.tokens.shape[1]
+    column = pending.num_valid.clamp_max(width - 1)[:, None]
+    pending.tokens.scatter_(1, column, token[:, None])
+    features = head.target_features(out)
+    pending.features.scatter_(1, column[:, :, None].expand_as(features), features)
+    pending.num_valid.add_((~was_done).long())
+    return report
+
+
 def _decode_step(
     target: Llama, state: SpecState
 ) -> tuple[torch.Tensor, ModelOutput, torch.Tensor, torch.Tensor]:

@@ -30,19 +30,29 @@ class RoundVariant:
         when some request samples: a batch of greedy requests runs it as its top-k tree, which
         greedy rows draft and walk anyway, without the sampled draft and the rejection walk.
     filtered: some request samples with top-k / top-p (see SamplingTensors.filtered).
-    num_pending: plain rounds of a decoder that speculates keep its draft cache in step
-        (round.synced_decode_round): the pending columns they commit first, the whole width
-        after a speculative round and 1 after a plain one or a prefill. 0 otherwise.
+    num_pending: a plain round of a decoder that speculates that first commits the pending
+        pairs to the draft cache (round.synced_decode_round): the pending width. 0 otherwise.
+    appends: a plain round of a decoder that speculates that leaves the draft cache behind:
+        its (token, root feature) pair joins the pending ones, for a later round to commit
+        (round.appending_decode_round). It costs what a plain step costs; the planner runs
+        it while every slot's pending pairs have room (`RoundPlanner.plan`).
     """
 
     tree: TreeShape | StaticTree | None = None
     filtered: bool = False
     num_pending: int = 0
+    appends: bool = False
 
     @property
     def stochastic(self) -> bool:
         """Whether sampling rows draft by sampling and walk by rejection."""
         return isinstance(self.tree, TreeShape) and self.tree.stochastic
+
+    @property
+    def cost_key(self) -> RoundVariant:
+        """The variant whose cost this round shares: plain rounds are one, however they treat
+        the pending pairs (the average over them is what plain decoding costs)."""
+        return dataclasses.replace(self, num_pending=0, appends=False)
 
     @property
     def tag(self) -> str:
@@ -78,8 +88,10 @@ class RoundPlanner:
         # Pending pairs are as wide as the deepest tree of any bucket: a slot that moves into
         # a shallower bucket may hold more pairs than that bucket's round produces.
         self.max_depth = max(map(self.depth_for, config.buckets))
-        # Whether the last round launched speculated (see RoundVariant.num_pending).
-        self._wide_pending = False
+        self.pending_width = self.max_depth + 1
+        # The most pending pairs any slot may hold after the rounds launched so far (a
+        # prefill leaves 1, so admissions never raise it).
+        self._max_pending = 1
 
     @property
     def num_shapes(self) -> int:
@@ -120,13 +132,13 @@ class RoundPlanner:
         return self.candidates(bucket, params)[0]
 
     def launchable(self, bucket: int, params: Sequence[SamplingParams]) -> list[RoundVariant]:
-        """Every round `plan` may launch in the bucket for these requests (plain rounds at
-        both pending widths)."""
+        """Every round `plan` may launch in the bucket for these requests (plain rounds that
+        append to the pending pairs and that commit them)."""
         found = []
         for variant in self.candidates(bucket, params):
             if variant.tree is None and self.speculates:
-                for width in (self.max_depth + 1, 1):
-                    found.append(dataclasses.replace(variant, num_pending=width))
+                found.append(dataclasses.replace(variant, appends=True))
+                found.append(dataclasses.replace(variant, num_pending=self.pending_width))
             else:
                 found.append(variant)
         return found
@@ -147,18 +159,24 @@ class RoundPlanner:
         estimates: Sequence[AcceptanceEstimate],
     ) -> RoundVariant:
         """The round to launch next in the bucket for live requests with these parameters and
-        acceptance estimates: the policy's choice among `candidates`, with the pending width
-        a plain round needs. Call it for every round launched, in launch order."""
+        acceptance estimates: the policy's choice among `candidates`. A plain one appends its
+        pair to the pending ones while they have room in every slot, and commits them to the
+        draft cache when they may not, so the draft falls at most a pending width behind.
+        Call it for every round launched, in launch order."""
         found = self.candidates(bucket, params)
         chosen = (
             found[0]
             if len(found) == 1
             else self.policy.choose(bucket, found, estimates, self.costs)
         )
-        if chosen.tree is None and self.speculates:
-            width = self.max_depth + 1 if self._wide_pending else 1
-            chosen = dataclasses.replace(chosen, num_pending=width)
-        self._wide_pending = chosen.tree is not None
+        if chosen.tree is not None:
+            self._max_pending = chosen.tree.depth + 1
+        elif self.speculates and self._max_pending < self.pending_width:
+            chosen = dataclasses.replace(chosen, appends=True)
+            self._max_pending += 1
+        elif self.speculates:
+            chosen = dataclasses.replace(chosen, num_pending=self.pending_width)
+            self._max_pending = 1
         return chosen
 
     def done(
@@ -166,9 +184,8 @@ class RoundPlanner:
     ) -> None:
         """Tell the cost table and the policy about a round read back: its seconds and its
         live rows' accepted draft tokens."""
-        key = dataclasses.replace(variant, num_pending=0)
-        self.costs.observe(bucket, key, seconds)
-        self.policy.observe(bucket, key, accepted)
+        self.costs.observe(bucket, variant.cost_key, seconds)
+        self.policy.observe(bucket, variant.cost_key, accepted)
 
 
 def _for_sampling(

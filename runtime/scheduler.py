@@ -390,7 +390,12 @@ class Scheduler:
         params = [h.params for h in owners if h is not None]
         if not params:
             return
-        estimates = [self._acceptance.get(h) for h in owners if h is not None]
+        live = [h for h in owners if h is not None]
+        estimates = [self._acceptance.get(h) for h in live]
+        nobody_waits = not self._waiting
+        for handle, estimate in zip(live, estimates, strict=True):
+            left = handle.params.max_new_tokens - len(handle.token_ids)
+            estimate.remaining = left if nobody_waits else None
         variant = self.decoder.planner.plan(bucket, params, estimates)
         if self.decoder.use_graphs and (bucket, variant) not in self.decoder.warmups:
             self.decoder.prepare(bucket, variant=variant, prefill=False)

@@ -113,7 +113,7 @@ def test_round_variants_follow_the_requests_and_the_buckets_trees(target):
         RoundVariant(tree=shallow),
         RoundVariant(tree=shallow, filtered=True),
     ]
-    plain = [RoundVariant(num_pending=4), RoundVariant(num_pending=1)]  # depth 3: 4 wide
+    plain = [RoundVariant(appends=True), RoundVariant(num_pending=4)]  # depth 3: 4 wide
     assert decoder.planner.variants(4) == plain
     assert set(decoder.warmup()) == {
         (1, RoundVariant(tree=top_k_tree)),
@@ -127,7 +127,8 @@ def test_round_variants_follow_the_requests_and_the_buckets_trees(target):
 
 def test_an_adaptive_policy_builds_each_buckets_ladder(target):
     """Under the cost policy every bucket may run its tree, smaller ones and plain decoding;
-    plain rounds keep the draft in step; a plain-only decoder (no head) has no ladder."""
+    plain rounds append to the pending pairs or commit them; a plain-only decoder (no head)
+    has no ladder."""
     decoder = _decoder(target)
     assert decoder.planner.shapes(1) == (
         TreeShape(4, 3, 10),
@@ -140,11 +141,42 @@ def test_an_adaptive_policy_builds_each_buckets_ladder(target):
     assert [v.tree for v in decoder.planner.candidates(1, greedy)] == list(
         decoder.planner.shapes(1)
     )
+    assert RoundVariant(appends=True) in decoder.planner.launchable(1, greedy)
     assert RoundVariant(num_pending=5) in decoder.planner.launchable(1, greedy)
-    assert RoundVariant(num_pending=1) in decoder.planner.launchable(1, greedy)
     plain = Decoder(target, None, EngineConfig(device="cpu", buckets=(1, 2)))
     assert plain.planner.shapes(1) == (None,)
     assert plain.planner.launchable(2, greedy) == [RoundVariant()]
+
+
+class _ScriptedPolicy:
+    """Picks the candidate whose tree is next in the script."""
+
+    name, adaptive = "scripted", True
+
+    def __init__(self, trees) -> None:
+        self._trees = iter(trees)
+
+    def choose(self, bucket, candidates, requests, costs):
+        tree = next(self._trees)
+        return next(c for c in candidates if c.tree == tree)
+
+
+def test_plain_rounds_append_while_every_slot_has_room_then_commit(target):
+    """The pending pairs are 5 wide (depth 4): plain rounds append until a slot may hold 5,
+    then one commits them; a speculative round of depth D leaves at most D + 1."""
+    decoder = _decoder(target)
+    small = TreeShape(2, 2, 3)
+    script = [None] * 6 + [small, None, None, None, TreeShape(4, 3, 10), None]
+    decoder.planner.policy = _ScriptedPolicy(script)
+    greedy = [SamplingParams()]
+    planned = [decoder.planner.plan(1, greedy, [None]) for _ in script]
+    appends, commits = RoundVariant(appends=True), RoundVariant(num_pending=5)
+    assert planned == [
+        *[appends] * 4, commits, appends,
+        RoundVariant(tree=small), appends, appends, commits,
+        RoundVariant(tree=TreeShape(4, 3, 10)), commits,
+    ]  # fmt: skip
+    assert all((1, v) in decoder.warmup() for v in set(planned))
 
 
 def test_greedy_batches_run_a_stochastic_bucket_as_its_top_k_tree(target, monkeypatch):

@@ -39,19 +39,22 @@ def _decode(decoder: Decoder, prompts, params) -> list[list[int]]:
 
 
 def _config(**overrides) -> EngineConfig:
-    fields = dict(device="cuda", buckets=BUCKETS, trees=TREES, max_seq_len=160)
+    """One tree per bucket unless a test asks for a policy that chooses among a ladder."""
+    fields = dict(device="cuda", buckets=BUCKETS, trees=TREES, max_seq_len=160, policy="fixed")
     return EngineConfig(**(fields | overrides))
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12]]
 
 
-@pytest.mark.parametrize("kind", ["self", "eagle3"])
-def test_graphs_decode_what_eager_rounds_decode_in_every_bucket(kind):
+@pytest.mark.parametrize(("kind", "policy"), [("self", "cost"), ("eagle3", "fixed")])
+def test_graphs_decode_what_eager_rounds_decode_in_every_bucket(kind, policy):
+    """With the cost policy every bucket captures its whole ladder (each graph and the eager
+    decoder may then pick other shapes: greedy output does not depend on them)."""
     target, head = _models(kind)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    graphs = Decoder(target, head, _config(compile=True, cuda_graphs=True))
-    eager = Decoder(target, head, _config(compile=False, cuda_graphs=False))
+    graphs = Decoder(target, head, _config(compile=True, cuda_graphs=True, policy=policy))
+    eager = Decoder(target, head, _config(compile=False, cuda_graphs=False, policy=policy))
     with torch.inference_mode():
         graphs.warmup()
         for num_prompts in (1, 2, 3, 4):
@@ -59,7 +62,7 @@ def test_graphs_decode_what_eager_rounds_decode_in_every_bucket(kind):
             assert _decode(graphs, prompts, params) == _decode(eager, prompts, params)
             want = reference_generate(target, prompts, params)
             assert _decode(graphs, prompts, params) == [w.token_ids for w in want]
-    # Every round of every bucket's ladder (the cost policy's), each captured once.
+    # Every round of every bucket's shapes (the cost policy's ladder), each captured once.
     assert set(graphs.warmups) == {
         (bucket, variant) for bucket in BUCKETS for variant in graphs.planner.variants(bucket)
     }
@@ -73,7 +76,7 @@ def test_a_stochastic_bucket_replays_its_greedy_and_sampled_rounds(fresh_seeds):
     D per round but each request's last)."""
     target, head = _models("self")
     shape = TreeShape(3, 2, 6, stochastic=True)
-    config = _config(compile=True, cuda_graphs=True, buckets=(2,), trees={2: shape}, policy="fixed")
+    config = _config(compile=True, cuda_graphs=True, buckets=(2,), trees={2: shape})
     decoder = Decoder(target, head, config)
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
     sampled = dataclasses.replace(greedy, temperature=1.0)

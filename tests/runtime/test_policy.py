@@ -4,6 +4,7 @@ Losslessness under shapes changing between rounds: tests/runtime/test_adaptive_r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -107,6 +108,23 @@ def test_cost_picks_plain_on_a_slow_draft_and_small_trees_in_between():
     cpu_costs = {DEEP: 9.0, LADDER[1].tree: 3.5, LADDER[2].tree: 1.9, None: 1.0}
     assert CostPolicy().choose(1, LADDER, [_estimate(0.1)], _costs(cpu_costs)) == PLAIN
     assert CostPolicy().choose(1, LADDER, [_estimate(0.8)], _costs(cpu_costs)) == LADDER[2]
+
+
+def test_with_nobody_waiting_cost_speeds_the_slowest_request():
+    """A batch of many well-drafted requests and one poorly drafted one: with requests
+    waiting (slots refill) the deep tree maximises the batch's tokens per second; with nobody
+    waiting the batch lasts as long as its slowest request, for which plain decoding wins,
+    unless that request is about to end."""
+    costs = _costs(GPU_COSTS)
+
+    def batch(remaining_of_poor, remaining_of_good):
+        good = [AcceptanceEstimate(alpha=0.9, remaining=remaining_of_good) for _ in range(15)]
+        return [*good, AcceptanceEstimate(alpha=0.05, remaining=remaining_of_poor)]
+
+    waiting = [dataclasses.replace(r, remaining=None) for r in batch(100, 100)]
+    assert CostPolicy().choose(1, LADDER, waiting, costs) == LADDER[0]
+    assert CostPolicy().choose(1, LADDER, batch(100, 100), costs) == PLAIN
+    assert CostPolicy().choose(1, LADDER, batch(2, 100), costs) == LADDER[0]
 
 
 def test_cost_does_not_flap_around_a_threshold():
