@@ -13,9 +13,14 @@ Policies, by `EngineConfig.policy` name:
   (runtime/acceptance.py); a shape not yet measured runs first. While no request waits for
   a slot, nothing refills the slots of requests that end, so the batch takes as long as its
   slowest request: the shape that minimises the rounds that request needs times their cost
-  (the longest of remaining tokens / (1 + expected accepted drafts)). Hysteresis: the current
-  shape stays unless another beats it by `HYSTERESIS`. While plain decoding wins, the
-  smallest tree runs one round in `EXPLORE_EVERY` so that acceptance estimates stay current.
+  (the longest of remaining tokens / (1 + expected accepted drafts)). The acceptance model's
+  expectation for a shape is calibrated by what that shape's rounds accepted against what
+  was expected of them (a moving ratio: the model extrapolates one chain acceptance to every
+  tree, and sampled trees accept less than it predicts for wide levels). Hysteresis: the
+  current shape stays unless another beats it by `HYSTERESIS`. While plain decoding wins,
+  the smallest tree runs one round in `EXPLORE_EVERY` so that acceptance estimates stay
+  current, the interval doubling after each exploring round up to `MAX_EXPLORE_EVERY` (and
+  back when a tree wins again).
 - `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
   per request-round over the last `WINDOW` falls below `CUTOFF`, then plain decoding for
   good (TensorRT-LLM's rule; vLLM's table without the cut-off).
@@ -40,7 +45,8 @@ from .acceptance import AcceptanceEstimate, RoundCosts
 from .tree import StaticTree, TreeShape
 
 HYSTERESIS = 0.05
-EXPLORE_EVERY = 16
+EXPLORE_EVERY, MAX_EXPLORE_EVERY = 16, 256
+CALIBRATION_RATE, CALIBRATION_RANGE = 0.1, (0.2, 1.5)
 WINDOW, CUTOFF = 256, 0.5
 EMA_RATE = 0.2
 DSDE_PLAIN_BELOW = 0.5
@@ -112,13 +118,18 @@ class _ExploringPolicy(Policy):
     def __init__(self) -> None:
         self._current: dict[int, Candidate] = {}
         self._plain_streak: dict[int, int] = {}
+        self._explore_every: dict[int, int] = {}
 
     def _settle(self, bucket: int, candidates: Sequence[Candidate], best: Candidate) -> Candidate:
         """Run `best`, or the exploring round when it is due."""
-        if best.tree is None and self._plain_streak.get(bucket, 0) >= EXPLORE_EVERY:
+        every = self._explore_every.get(bucket, EXPLORE_EVERY)
+        if best.tree is None and self._plain_streak.get(bucket, 0) >= every:
             speculative = _speculative(candidates)
             if speculative:
+                self._explore_every[bucket] = min(2 * every, MAX_EXPLORE_EVERY)
                 return self._ran(bucket, speculative[-1], explored=True)
+        if best.tree is not None:
+            self._explore_every[bucket] = EXPLORE_EVERY
         return self._ran(bucket, best)
 
     def _ran(self, bucket: int, candidate: Candidate, *, explored: bool = False) -> Candidate:
@@ -132,16 +143,47 @@ class _ExploringPolicy(Policy):
 class CostPolicy(_ExploringPolicy):
     name = "cost"
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Per tree: accepted / expected drafts of its rounds (a moving ratio), and what was
+        # expected of its rounds in flight, in launch order.
+        self.calibration: dict[Hashable, float] = {}
+        self._expected: dict[Hashable, deque[float]] = {}
+
     def choose(self, bucket, candidates, requests, costs):
         unmeasured = [c for c in candidates if costs.get(bucket, c) is None]
         if unmeasured:
-            return self._ran(bucket, unmeasured[0])
-        rates = {c: _tokens_per_second(c, requests, costs.get(bucket, c)) for c in candidates}
+            return self._launched(self._ran(bucket, unmeasured[0]), requests)
+        rates = {
+            c: _tokens_per_second(
+                c, requests, costs.get(bucket, c), self.calibration.get(c.tree, 1.0)
+            )
+            for c in candidates
+        }
         best = max(candidates, key=rates.__getitem__)
         current = self._current.get(bucket)
         if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
             best = current
-        return self._settle(bucket, candidates, best)
+        return self._launched(self._settle(bucket, candidates, best), requests)
+
+    def _launched(self, chosen: Candidate, requests: Sequence[AcceptanceEstimate]) -> Candidate:
+        """Remember what `chosen` is expected to accept, for `observe` to calibrate by."""
+        if chosen.tree is not None:
+            expected = sum(r.expected(chosen.tree) for r in requests)
+            self._expected.setdefault(chosen.tree, deque(maxlen=16)).append(expected)
+        return chosen
+
+    def observe(self, bucket, candidate, accepted):
+        in_flight = self._expected.get(candidate.tree)
+        if candidate.tree is None or not in_flight:
+            return
+        expected = in_flight.popleft()
+        if expected <= 0 or not accepted:
+            return
+        low, high = CALIBRATION_RANGE
+        ratio = min(max(sum(accepted) / expected, low), high)
+        old = self.calibration.get(candidate.tree, ratio)
+        self.calibration[candidate.tree] = old + CALIBRATION_RATE * (ratio - old)
 
 
 class DsdePolicy(_ExploringPolicy):
@@ -172,12 +214,15 @@ def dsde_length(estimate: AcceptanceEstimate, max_depth: int) -> float:
 
 
 def _tokens_per_second(
-    candidate: Candidate, requests: Sequence[AcceptanceEstimate], seconds: float
+    candidate: Candidate,
+    requests: Sequence[AcceptanceEstimate],
+    seconds: float,
+    calibration: float = 1.0,
 ) -> float:
-    """The batch's expected tokens per second under `candidate`; while no request waits
-    (every `remaining` known), the rate at which its slowest request ends instead, scaled to
-    the batch's tokens."""
-    gains = [1.0 + r.expected(candidate.tree) for r in requests]
+    """The batch's expected tokens per second under `candidate` (expected accepted drafts
+    times `calibration`); while no request waits (every `remaining` known), the rate at which
+    its slowest request ends instead, scaled to the batch's tokens."""
+    gains = [1.0 + calibration * r.expected(candidate.tree) for r in requests]
     if not requests or any(r.remaining is None for r in requests):
         return sum(gains) / seconds
     total = sum(max(r.remaining, 1) for r in requests)
