@@ -14,9 +14,10 @@ Policies, by `EngineConfig.policy` name:
   a slot, nothing refills the slots of requests that end, so the batch takes as long as its
   slowest request: the shape that minimises the rounds that request needs times their cost
   (the longest of remaining tokens / (1 + expected accepted drafts)). The acceptance model's
-  expectation for a shape is calibrated by what that shape's rounds accepted against what
-  was expected of them (a moving ratio: the model extrapolates one chain acceptance to every
-  tree, and sampled trees accept less than it predicts for wide levels). Hysteresis: the
+  expectation for a sampled (stochastic) tree is calibrated by what that tree's rounds
+  accepted against what was expected of them (a moving ratio: the model extrapolates one
+  chain acceptance to every tree, and sampled children, drawn with repeats, accept less
+  than it predicts for wide levels). Hysteresis: the
   current shape stays unless another beats it by `HYSTERESIS`. While plain decoding wins,
   the smallest tree runs one round in `EXPLORE_EVERY` so that acceptance estimates stay
   current, the interval doubling after each exploring round up to `MAX_EXPLORE_EVERY` (and
@@ -168,7 +169,7 @@ class CostPolicy(_ExploringPolicy):
 
     def _launched(self, chosen: Candidate, requests: Sequence[AcceptanceEstimate]) -> Candidate:
         """Remember what `chosen` is expected to accept, for `observe` to calibrate by."""
-        if chosen.tree is not None:
+        if isinstance(chosen.tree, TreeShape) and chosen.tree.stochastic:
             expected = sum(r.expected(chosen.tree) for r in requests)
             self._expected.setdefault(chosen.tree, deque(maxlen=16)).append(expected)
         return chosen

@@ -127,22 +127,30 @@ def test_with_nobody_waiting_cost_speeds_the_slowest_request():
     assert CostPolicy().choose(1, LADDER, batch(2, 100), costs) == LADDER[0]
 
 
-def test_cost_calibrates_a_shape_that_accepts_less_than_modelled():
-    """Trees whose rounds accept a fifth of what the model expects of them (as sampled trees
-    do at temperature 1) make plain decoding win for the same estimates."""
-    policy, costs = CostPolicy(), _costs(GPU_COSTS)
+def test_cost_calibrates_a_sampled_tree_that_accepts_less_than_modelled():
+    """Sampled trees whose rounds accept a fifth of what the model expects of them (as at
+    temperature 1) make plain decoding win for the same estimates; top-k trees keep the
+    model's expectation."""
+    sampled = [
+        RoundVariant(tree=tree) for tree in tree_ladder(dataclasses.replace(DEEP, stochastic=True))
+    ]
+    costs = _costs(GPU_COSTS)
+    for variant, top_k in zip(sampled, LADDER, strict=True):
+        for _ in range(2):  # the first run is not counted
+            costs.observe(1, variant, GPU_COSTS[top_k.tree])
     requests = [_estimate(0.5) for _ in range(4)]
-    chosen = [policy.choose(1, LADDER, requests, costs) for _ in range(80)]
-    assert set(chosen) == {LADDER[0]}  # uncalibrated, the model favours the deep tree
-    policy = CostPolicy()
-    chosen = []
-    for _ in range(80):
-        chosen.append(policy.choose(1, LADDER, requests, costs))
-        if chosen[-1].tree is not None:
-            expected = requests[0].expected(chosen[-1].tree)
-            policy.observe(1, chosen[-1], [expected / 5] * len(requests))
-    assert policy.calibration[DEEP] < 0.5
-    assert chosen[-16:].count(PLAIN) >= 15
+    for ladder in (sampled, LADDER):
+        policy, chosen = CostPolicy(), []
+        for _ in range(80):
+            chosen.append(policy.choose(1, ladder, requests, costs))
+            if chosen[-1].tree is not None:
+                expected = requests[0].expected(chosen[-1].tree)
+                policy.observe(1, chosen[-1], [expected / 5] * len(requests))
+        if ladder is sampled:
+            assert policy.calibration[sampled[0].tree] < 0.5
+            assert chosen[-16:].count(sampled[-1]) >= 15
+        else:
+            assert not policy.calibration and set(chosen) == {LADDER[0]}
 
 
 def test_cost_does_not_flap_around_a_threshold():
