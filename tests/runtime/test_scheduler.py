@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.handle import FINISH_CANCELLED, EngineOverloadedError
+from specrun.runtime.policy import CostPolicy
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.scheduler import Scheduler
 from specrun.runtime.tree import TreeShape
@@ -206,3 +207,32 @@ def test_static_batches_admit_only_into_an_idle_decoder(models):
         ):
             [want] = reference_generate(target, [prompt], params)
             assert handle.result(timeout=0).token_ids == want.token_ids
+
+
+class _RecordingCostPolicy(CostPolicy):
+    """The cost policy, remembering the requests' remaining tokens it was shown each round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[int | None]] = []
+
+    def choose(self, bucket, candidates, requests, costs):
+        self.seen.append([r.remaining for r in requests])
+        return super().choose(bucket, candidates, requests, costs)
+
+
+def test_the_policy_sees_remaining_tokens_only_while_nobody_waits(models):
+    """Six requests for four slots: while two wait the policy maximises the batch's tokens
+    per second (no remaining counts); once nobody waits it sees each request's remaining
+    tokens, which only fall."""
+    target, head = models["eagle3"]
+    scheduler = _scheduler(target, head, max_prefill_tokens=100)
+    policy = scheduler.decoder.planner.policy = _RecordingCostPolicy()
+    requests = [([1 + i, 2], SamplingParams(max_new_tokens=10), 0, None) for i in range(6)]
+    with torch.no_grad():
+        _run(scheduler, requests)
+    waiting = [seen for seen in policy.seen if None in seen]
+    counted = [seen for seen in policy.seen if None not in seen]
+    assert waiting and all(set(seen) == {None} for seen in waiting)
+    assert counted and policy.seen.index(counted[0]) > policy.seen.index(waiting[-1])
+    assert all(0 <= left <= 10 for seen in counted for left in seen)
