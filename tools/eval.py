@@ -21,7 +21,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..runtime.config import POLICY_NAMES, EngineConfig, SamplingParams
+from ..runtime.config import (
+    POLICY_NAMES,
+    EngineConfig,
+    SamplingParams,
+    default_trees,
+    stochastic_trees,
+)
 from ..runtime.distill.data import read_prompts
 from ..runtime.engine import Engine
 from ..runtime.stats import EngineStats
@@ -56,6 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--policy", action="append", default=[], choices=POLICY_NAMES,
         help="also evaluate this speculation policy choosing among the (first) tree's ladder "
         "of shapes each round (repeatable); the trees alone run fixed",
+    )  # fmt: skip
+    parser.add_argument(
+        "--default-trees", action="store_true",
+        help="the policies choose among the ladders of the engine's default tree table (the "
+        "head's trees.json over EngineConfig's defaults, a tree per batch size), as "
+        "`specrun generate` and `serve` do, instead of the first tree's",
     )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate the maximum")
@@ -112,12 +124,13 @@ def run(args: argparse.Namespace) -> int:
     records = []
     sides = [(shape, "fixed") for shape in shapes] + [(shapes[0], name) for name in args.policy]
     for shape, policy in sides:
-        side_config = dataclasses.replace(config, trees={1: shape}, policy=policy)
+        trees = _policy_trees(args) if policy != "fixed" and args.default_trees else {1: shape}
+        side_config = dataclasses.replace(config, trees=trees, policy=policy)
         spec = Engine(model, tokenizer, side_config, head=head)
         for temperature, batch_size in points:
             spec_stats = measure(spec, prompts, _params(args, temperature), batch_size)
             record = point_record(
-                shape,
+                side_config.tree_for(batch_size),
                 temperature,
                 spec_stats,
                 baselines[temperature, batch_size],
@@ -144,6 +157,12 @@ def _tree_shapes(args: argparse.Namespace) -> list[TreeShape]:
         raise ValueError("give either --trees or --depth/--topk/--nodes, not both")
     shapes = (dataclasses.replace(s, stochastic=args.stochastic) for s in args.trees)
     return list(dict.fromkeys(shapes))
+
+
+def _policy_trees(args: argparse.Namespace):
+    """--default-trees: the table an engine with this head uses by default."""
+    trees = default_trees(args.draft)
+    return stochastic_trees(trees) if args.stochastic else trees
 
 
 def _params(args: argparse.Namespace, temperature: float) -> SamplingParams:
@@ -191,8 +210,8 @@ def point_record(
     *,
     policy: str = "fixed",
 ) -> dict:
-    """One JSON line: a tree shape (with an adaptive policy: the first of its ladder) at a
-    temperature against plain decoding, with the rounds each shape ran."""
+    """One JSON line: the batch size's tree (with an adaptive policy: the top of its ladder)
+    at a temperature against plain decoding, with the rounds each shape ran."""
     record = {
         "policy": policy,
         "rounds_by_shape": spec_stats.rounds_by_shape,

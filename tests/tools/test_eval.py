@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from specrun.models.loading import save_draft, save_target
-from specrun.runtime.config import EngineConfig, SamplingParams
+from specrun.runtime.config import DEFAULT_TREES, EngineConfig, SamplingParams
 from specrun.runtime.engine import Engine
 from specrun.tools.cli import main
 from tiny_models import random_head, random_llama, tiny_config
@@ -194,3 +194,24 @@ def test_eval_measures_each_batch_size(model_dir, prompts_file, tmp_path):
     assert [(r["batch_size"], r["num_prompts"]) for r in records] == [(1, 3), (4, 4)]
     assert [r["num_generated_tokens"] for r in records] == [30, 40]
     assert records[0]["baseline_wall_seconds"] != records[1]["baseline_wall_seconds"]
+
+
+def test_eval_policies_can_choose_among_the_default_trees(model_dir, prompts_file, tmp_path):
+    """--default-trees: the policy side runs the engine's default table, a tree per batch
+    size (each its ladder's top); the fixed side keeps --trees."""
+    target = random_llama(tiny_config(), seed=0)
+    draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
+    json_path = tmp_path / "eval.jsonl"
+    argv = ["eval", "--model", str(model_dir), "--draft", str(draft_dir)]
+    argv += ["--prompts", str(prompts_file), "--temperatures", "0", "--max-new-tokens", "6"]
+    argv += ["--trees", "3,2,5", "--batch-sizes", "1", "4", "--policy", "cost"]
+    argv += ["--default-trees", "--json", str(json_path), "--device", "cpu"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in json_path.read_text().splitlines()]
+    shapes = {(r["policy"], r["batch_size"]): (r["depth"], r["topk"], r["nodes"]) for r in records}
+    default = {b: DEFAULT_TREES[b] for b in (1, 4)}
+    assert shapes == {
+        ("fixed", 1): (3, 2, 5),
+        ("fixed", 4): (3, 2, 5),
+        **{("cost", b): (t.depth, t.topk, t.num_nodes) for b, t in default.items()},
+    }
