@@ -31,11 +31,13 @@ from .slots import restore_rows, save_rows
 
 logger = logging.getLogger(__name__)
 
-# The fields of an artifacts manifest that decide what a round costs.
-IDENTITY_FIELDS = (
+# The fields of an artifacts manifest that decide what a round costs; with whether the
+# rounds are compiled (artifacts always are), a profile's identity.
+MANIFEST_FIELDS = (
     "torch", "triton", "device", "capability", "dtype", "model", "head", "max_seq_len",
-    "cuda_graphs", "compiled",
+    "cuda_graphs",
 )  # fmt: skip
+IDENTITY_FIELDS = (*MANIFEST_FIELDS, "compiled")
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class CostProfile:
 def identity(decoder: Decoder) -> dict[str, object]:
     """What a profile of this decoder's rounds depends on."""
     manifest = expected_manifest(decoder)
-    found = {name: getattr(manifest, name) for name in IDENTITY_FIELDS if name != "compiled"}
+    found = {name: getattr(manifest, name) for name in MANIFEST_FIELDS}
     found["compiled"] = decoder.compiled
     return json.loads(json.dumps(found))  # tuples as lists, as a loaded profile has them
 

@@ -253,46 +253,60 @@ class BatchTablePolicy(Policy):
             self.switched_off = True
 
 
-class EmaPolicy(Policy):
+class _DepthPolicy(Policy):
+    """A policy that follows a target depth learnt from the accepted lengths of speculative
+    rounds: the tree nearest it (`ABOVE`: the shallowest at least that deep); the configured
+    tree until it has one; never plain."""
+
+    ABOVE: ClassVar[bool]
+
+    def __init__(self) -> None:
+        self._state: float | None = None
+
+    def _target(self, state: float) -> float:
+        return state
+
+    def _learn(self, state: float | None, depth: int, accepted: Sequence[int]) -> float:
+        """The state after a round of a tree of `depth` whose rows accepted `accepted`."""
+        raise NotImplementedError
+
+    def choose(self, bucket, candidates, requests, costs):
+        speculative = _speculative(candidates) or list(candidates)
+        if self._state is None:
+            return speculative[0]
+        return _nearest_depth(speculative, self._target(self._state), above=self.ABOVE)
+
+    def observe(self, bucket, candidate, accepted):
+        if candidate.tree is None or not accepted:
+            return
+        self._state = self._learn(self._state, candidate.tree.depth, accepted)
+
+
+class EmaPolicy(_DepthPolicy):
+    """State: a moving average of the accepted drafts; target one level deeper."""
+
     name = "ema"
+    ABOVE = True
 
-    def __init__(self) -> None:
-        self._mean: float | None = None
+    def _target(self, state: float) -> float:
+        return math.ceil(state) + 1
 
-    def choose(self, bucket, candidates, requests, costs):
-        speculative = _speculative(candidates) or list(candidates)
-        if self._mean is None:
-            return speculative[0]
-        return _nearest_depth(speculative, math.ceil(self._mean) + 1, above=True)
-
-    def observe(self, bucket, candidate, accepted):
-        if candidate.tree is None or not accepted:
-            return
+    def _learn(self, state, depth, accepted):
         mean = sum(accepted) / len(accepted)
-        self._mean = mean if self._mean is None else (1 - EMA_RATE) * self._mean + EMA_RATE * mean
+        return mean if state is None else (1 - EMA_RATE) * state + EMA_RATE * mean
 
 
-class GammaTunePolicy(Policy):
+class GammaTunePolicy(_DepthPolicy):
+    """State: the target depth gamma."""
+
     name = "gammatune"
+    ABOVE = False
 
-    def __init__(self) -> None:
-        self._gamma: float | None = None
-
-    def choose(self, bucket, candidates, requests, costs):
-        speculative = _speculative(candidates) or list(candidates)
-        if self._gamma is None:
-            return speculative[0]
-        return _nearest_depth(speculative, self._gamma, above=False)
-
-    def observe(self, bucket, candidate, accepted):
-        if candidate.tree is None or not accepted:
-            return
-        depth = candidate.tree.depth
-        gamma = depth if self._gamma is None else self._gamma
+    def _learn(self, state, depth, accepted):
+        gamma = depth if state is None else state
         if min(accepted) >= depth:
-            self._gamma = gamma + 1
-        else:
-            self._gamma = max(1.0, (gamma + sum(accepted) / len(accepted)) / 2)
+            return gamma + 1
+        return max(1.0, (gamma + sum(accepted) / len(accepted)) / 2)
 
 
 def _speculative(candidates: Sequence[Candidate]) -> list[Candidate]:

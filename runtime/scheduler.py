@@ -387,10 +387,10 @@ class Scheduler:
     def _launch_round(self) -> None:
         bucket = self._bucket
         owners = self._decoding(bucket)
-        params = [h.params for h in owners if h is not None]
-        if not params:
-            return
         live = [h for h in owners if h is not None]
+        if not live:
+            return
+        params = [h.params for h in live]
         estimates = [self._acceptance.get(h) for h in live]
         nobody_waits = not self._waiting
         for handle, estimate in zip(live, estimates, strict=True):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -31,7 +32,7 @@ from ..runtime.config import (
 from ..runtime.distill.data import read_prompts
 from ..runtime.engine import Engine
 from ..runtime.stats import EngineStats
-from ..runtime.tree import TreeShape
+from ..runtime.tree import StaticTree, TreeShape
 from .eval_plot import check_plotting, plot_records, tree_label
 from .generate import add_compile_argument, add_tree_arguments, compile_choice, tree_shape
 
@@ -159,7 +160,7 @@ def _tree_shapes(args: argparse.Namespace) -> list[TreeShape]:
     return list(dict.fromkeys(shapes))
 
 
-def _policy_trees(args: argparse.Namespace):
+def _policy_trees(args: argparse.Namespace) -> Mapping[int, TreeShape | StaticTree | None]:
     """--default-trees: the table an engine with this head uses by default."""
     trees = default_trees(args.draft)
     return stochastic_trees(trees) if args.stochastic else trees

@@ -40,17 +40,23 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("stochastic", [False, True], ids=["top-k", "stochastic"])
-def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, capsys, stochastic):
+def _eval_records(model_dir, prompts_file, tmp_path, *options: str) -> list[dict]:
+    """`specrun eval` of a random EAGLE-3 head for the tiny model on the CPU with these
+    options; its JSON lines."""
     target = random_llama(tiny_config(), seed=0)
     draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
     json_path = tmp_path / "eval.jsonl"
-    argv = ["eval", "--model", str(model_dir), "--draft", str(draft_dir)]
-    argv += ["--prompts", str(prompts_file), "--temperatures", "0", "1", "--max-new-tokens", "10"]
-    argv += ["--depth", "3", "--topk", "2", "--nodes", "5", "--ignore-eos", "--json"]
-    argv += [str(json_path), "--device", "cpu", "--dtype", "float32"]
-    assert main(argv + ["--stochastic"] * stochastic) == 0
-    records = [json.loads(line) for line in json_path.read_text().splitlines()]
+    argv = ["eval", "--model", str(model_dir), "--draft", str(draft_dir), "--prompts"]
+    argv += [str(prompts_file), "--json", str(json_path), "--device", "cpu", "--dtype", "float32"]
+    assert main([*argv, *options]) == 0
+    return [json.loads(line) for line in json_path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["top-k", "stochastic"])
+def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, capsys, stochastic):
+    options = ["--temperatures", "0", "1", "--max-new-tokens", "10", "--ignore-eos"]
+    options += ["--depth", "3", "--topk", "2", "--nodes", "5", *["--stochastic"] * stochastic]
+    records = _eval_records(model_dir, prompts_file, tmp_path, *options)
     assert [r["temperature"] for r in records] == [0.0, 1.0]
     assert [r["stochastic"] for r in records] == [stochastic] * 2
     for record in records:
@@ -79,15 +85,12 @@ def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, ca
 
 
 def test_eval_compares_tree_shapes_and_plots_them(model_dir, prompts_file, tmp_path, capsys):
-    target = random_llama(tiny_config(), seed=0)
-    draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
-    json_path, png = tmp_path / "eval.jsonl", tmp_path / "eval.png"
-    argv = ["eval", "--model", str(model_dir), "--draft", str(draft_dir), "--prompts"]
-    argv += [str(prompts_file), "--temperatures", "0", "1", "--max-new-tokens", "6"]
-    argv += ["--trees", "3,2,5", "2,1,3", "--ignore-eos", "--json", str(json_path)]
-    argv += ["--plot", str(png), "--device", "cpu", "--dtype", "float32"]
-    assert main([*argv, "--policy", "cost", "--policy", "gammatune"]) == 0
-    records = [json.loads(line) for line in json_path.read_text().splitlines()]
+    png = tmp_path / "eval.png"
+    options = ["--temperatures", "0", "1", "--max-new-tokens", "6", "--ignore-eos"]
+    options += ["--trees", "3,2,5", "2,1,3", "--plot", str(png)]
+    options += ["--policy", "cost", "--policy", "gammatune"]
+    records = _eval_records(model_dir, prompts_file, tmp_path, *options)
+    json_path = tmp_path / "eval.jsonl"
     points = [(r["policy"], r["depth"], r["topk"], r["nodes"], r["temperature"]) for r in records]
     sides = [("fixed", (3, 2, 5)), ("fixed", (2, 1, 3)), ("cost", (3, 2, 5))]
     sides.append(("gammatune", (3, 2, 5)))
@@ -182,15 +185,9 @@ def test_bench_cold_start_reports_a_fresh_process(model_dir, tmp_path, capsys):
 def test_eval_measures_each_batch_size(model_dir, prompts_file, tmp_path):
     """--batch-sizes: one point per batch size, the prompts repeated to fill a batch larger
     than their number, each against plain decoding at the same batch size."""
-    target = random_llama(tiny_config(), seed=0)
-    draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
-    json_path = tmp_path / "eval.jsonl"
-    argv = ["eval", "--model", str(model_dir), "--draft", str(draft_dir)]
-    argv += ["--prompts", str(prompts_file), "--temperatures", "0", "--max-new-tokens", "10"]
-    argv += ["--trees", "3,2,5", "--batch-sizes", "4", "1", "--ignore-eos", "--json"]
-    argv += [str(json_path), "--device", "cpu", "--dtype", "float32"]
-    assert main(argv) == 0
-    records = [json.loads(line) for line in json_path.read_text().splitlines()]
+    options = ["--temperatures", "0", "--max-new-tokens", "10", "--ignore-eos"]
+    options += ["--trees", "3,2,5", "--batch-sizes", "4", "1"]
+    records = _eval_records(model_dir, prompts_file, tmp_path, *options)
     assert [(r["batch_size"], r["num_prompts"]) for r in records] == [(1, 3), (4, 4)]
     assert [r["num_generated_tokens"] for r in records] == [30, 40]
     assert records[0]["baseline_wall_seconds"] != records[1]["baseline_wall_seconds"]
@@ -199,15 +196,9 @@ def test_eval_measures_each_batch_size(model_dir, prompts_file, tmp_path):
 def test_eval_policies_can_choose_among_the_default_trees(model_dir, prompts_file, tmp_path):
     """--default-trees: the policy side runs the engine's default table, a tree per batch
     size (each its ladder's top); the fixed side keeps --trees."""
-    target = random_llama(tiny_config(), seed=0)
-    draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
-    json_path = tmp_path / "eval.jsonl"
-    argv = ["eval", "--model", str(model_dir), "--draft", str(draft_dir)]
-    argv += ["--prompts", str(prompts_file), "--temperatures", "0", "--max-new-tokens", "6"]
-    argv += ["--trees", "3,2,5", "--batch-sizes", "1", "4", "--policy", "cost"]
-    argv += ["--default-trees", "--json", str(json_path), "--device", "cpu"]
-    assert main(argv) == 0
-    records = [json.loads(line) for line in json_path.read_text().splitlines()]
+    options = ["--temperatures", "0", "--max-new-tokens", "6", "--trees", "3,2,5"]
+    options += ["--batch-sizes", "1", "4", "--policy", "cost", "--default-trees"]
+    records = _eval_records(model_dir, prompts_file, tmp_path, *options)
     shapes = {(r["policy"], r["batch_size"]): (r["depth"], r["topk"], r["nodes"]) for r in records}
     default = {b: DEFAULT_TREES[b] for b in (1, 4)}
     assert shapes == {
