@@ -7,7 +7,11 @@ offers about w = min(K, (N - 1) / D) candidates, and is accepted when one of the
 acceptance is a = 1 - (1 - alpha)^w, and the accepted length of a depth-D tree is
 sum_{d=1..D} a^d (levels accepted one after another, as the walk goes). Every speculative
 round refines alpha from what the request accepted under the shape it ran (a smoothed
-per-level rate mapped back through the width); plain rounds say nothing about it. A
+per-level rate mapped back through the width). Plain rounds say nothing about it, so each one
+moves it a step back towards the engine's running mean (`STALE_RATE`): a request that fell
+back to plain decoding after a few poor rounds is tried again unless the engine's requests
+accept little in general (acceptance moves with the text; a stale low estimate would keep
+the request plain for good). A
 speculative round also reports, at the root, the draft's confidence and the KL divergence of
 its distribution from the target's (round.acceptance_signals); each request keeps their
 moving averages and the KL's variance (DSDE's stability signal).
@@ -29,6 +33,8 @@ from .tree import StaticTree, TreeShape
 PRIOR_ALPHA = 0.6
 # Weight of one round in a request's running alpha.
 ALPHA_RATE = 0.3
+# The step back towards the engine's running mean alpha of a request's alpha per plain round.
+STALE_RATE = 0.1
 # Weight of one round in a round cost's moving average.
 COST_RATE = 0.2
 
@@ -142,7 +148,9 @@ class AcceptanceBook:
     ) -> None:
         estimate = self.get(request)
         estimate.observe(tree, num_accepted, signals)
-        if tree is not None:
+        if tree is None:
+            estimate.alpha = _blend(estimate.alpha, self.prior, STALE_RATE)
+        else:
             self.prior = _blend(self.prior, estimate.alpha, 0.05)
 
     def forget(self, request: Hashable) -> None:

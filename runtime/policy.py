@@ -13,7 +13,10 @@ Policies, by `EngineConfig.policy` name:
   (runtime/acceptance.py); a shape not yet measured runs first. While no request waits for
   a slot, nothing refills the slots of requests that end, so the batch takes as long as its
   slowest request: the shape that minimises the rounds that request needs times their cost
-  (the longest of remaining tokens / (1 + expected accepted drafts)). The acceptance model's
+  (remaining tokens / (1 + expected accepted drafts), the `SLOWEST_QUANTILE` quantile over
+  the requests rather than their maximum: each estimate rests on a few rounds, and the
+  lowest of 64 noisy estimates is far below the slowest request's real acceptance). The
+  acceptance model's
   expectation for a sampled (stochastic) tree is calibrated by what that tree's rounds
   accepted against what was expected of them (a moving ratio: the model extrapolates one
   chain acceptance to every tree, and sampled children, drawn with repeats, accept less
@@ -51,6 +54,7 @@ CALIBRATION_RATE, CALIBRATION_RANGE = 0.1, (0.2, 1.5)
 WINDOW, CUTOFF = 256, 0.5
 EMA_RATE = 0.2
 DSDE_PLAIN_BELOW = 0.5
+SLOWEST_QUANTILE = 1 / 8
 
 
 class Candidate(Protocol, Hashable):
@@ -222,14 +226,14 @@ def _tokens_per_second(
 ) -> float:
     """The batch's expected tokens per second under `candidate` (expected accepted drafts
     times `calibration`); while no request waits (every `remaining` known), the rate at which
-    its slowest request ends instead, scaled to the batch's tokens."""
+    its slowest requests end instead (the `SLOWEST_QUANTILE` quantile of the requests'
+    progress per round through what remains of them), scaled to the batch's tokens."""
     gains = [1.0 + calibration * r.expected(candidate.tree) for r in requests]
     if not requests or any(r.remaining is None for r in requests):
         return sum(gains) / seconds
     total = sum(max(r.remaining, 1) for r in requests)
-    return (
-        min(g / max(r.remaining, 1) for g, r in zip(gains, requests, strict=True)) * total / seconds
-    )
+    progress = sorted(g / max(r.remaining, 1) for g, r in zip(gains, requests, strict=True))
+    return progress[int(SLOWEST_QUANTILE * len(progress))] * total / seconds
 
 
 class BatchTablePolicy(Policy):
