@@ -22,9 +22,10 @@ Policies, by `EngineConfig.policy` name:
   chain acceptance to every tree, and sampled children, drawn with repeats, accept less
   than it predicts for wide levels). Hysteresis: the
   current shape stays unless another beats it by `HYSTERESIS`. While plain decoding wins,
-  the smallest tree runs one round in `EXPLORE_EVERY` so that acceptance estimates stay
-  current, the interval doubling after each exploring round up to `MAX_EXPLORE_EVERY` (and
-  back when a tree wins again).
+  the smallest tree runs now and then so that acceptance estimates stay current: each plain
+  round earns `EXPLORE_SHARE` of its seconds, and an exploring round runs when the earnings
+  cover what it costs over a plain round (so exploring costs at most that share of the
+  time; every `EXPLORE_EVERY` rounds until both rounds are measured).
 - `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
   per request-round over the last `WINDOW` falls below `CUTOFF`, then plain decoding for
   good (TensorRT-LLM's rule; vLLM's table without the cut-off).
@@ -49,7 +50,7 @@ from .acceptance import AcceptanceEstimate, RoundCosts
 from .tree import StaticTree, TreeShape
 
 HYSTERESIS = 0.05
-EXPLORE_EVERY, MAX_EXPLORE_EVERY = 16, 256
+EXPLORE_EVERY, EXPLORE_SHARE = 16, 0.01
 CALIBRATION_RATE, CALIBRATION_RANGE = 0.1, (0.2, 1.5)
 WINDOW, CUTOFF = 256, 0.5
 EMA_RATE = 0.2
@@ -118,23 +119,33 @@ class FixedPolicy(Policy):
 
 class _ExploringPolicy(Policy):
     """A policy that may pick plain decoding, whose requests' estimates plain rounds do not
-    refresh: while plain decoding wins, the smallest tree runs one round in EXPLORE_EVERY."""
+    refresh: while plain decoding wins, the smallest tree runs an exploring round whenever
+    the plain rounds since the last one have earned its extra cost (`EXPLORE_SHARE`)."""
 
     def __init__(self) -> None:
         self._current: dict[int, Candidate] = {}
         self._plain_streak: dict[int, int] = {}
-        self._explore_every: dict[int, int] = {}
+        self._explore_credit: dict[int, float] = {}
 
-    def _settle(self, bucket: int, candidates: Sequence[Candidate], best: Candidate) -> Candidate:
+    def _settle(
+        self, bucket: int, candidates: Sequence[Candidate], best: Candidate, costs: RoundCosts
+    ) -> Candidate:
         """Run `best`, or the exploring round when it is due."""
-        every = self._explore_every.get(bucket, EXPLORE_EVERY)
-        if best.tree is None and self._plain_streak.get(bucket, 0) >= every:
-            speculative = _speculative(candidates)
-            if speculative:
-                self._explore_every[bucket] = min(2 * every, MAX_EXPLORE_EVERY)
-                return self._ran(bucket, speculative[-1], explored=True)
-        if best.tree is not None:
-            self._explore_every[bucket] = EXPLORE_EVERY
+        speculative = _speculative(candidates)
+        if best.tree is not None or not speculative:
+            self._explore_credit[bucket] = 0.0
+            return self._ran(bucket, best)
+        explorer = speculative[-1]
+        plain_seconds, explorer_seconds = costs.get(bucket, best), costs.get(bucket, explorer)
+        if plain_seconds is None or explorer_seconds is None:
+            due = self._plain_streak.get(bucket, 0) >= EXPLORE_EVERY
+        else:
+            credit = self._explore_credit.get(bucket, 0.0) + EXPLORE_SHARE * plain_seconds
+            extra = explorer_seconds - plain_seconds
+            due = credit >= extra
+            self._explore_credit[bucket] = credit - extra if due else credit
+        if due:
+            return self._ran(bucket, explorer, explored=True)
         return self._ran(bucket, best)
 
     def _ran(self, bucket: int, candidate: Candidate, *, explored: bool = False) -> Candidate:
@@ -169,7 +180,7 @@ class CostPolicy(_ExploringPolicy):
         current = self._current.get(bucket)
         if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
             best = current
-        return self._launched(self._settle(bucket, candidates, best), requests)
+        return self._launched(self._settle(bucket, candidates, best, costs), requests)
 
     def _launched(self, chosen: Candidate, requests: Sequence[AcceptanceEstimate]) -> Candidate:
         """Remember what `chosen` is expected to accept, for `observe` to calibrate by."""
@@ -203,7 +214,7 @@ class DsdePolicy(_ExploringPolicy):
         length = sum(dsde_length(r, deepest) for r in measured) / len(measured)
         plain = [c for c in candidates if c.tree is None]
         if length < DSDE_PLAIN_BELOW and plain:
-            return self._settle(bucket, candidates, plain[0])
+            return self._settle(bucket, candidates, plain[0], costs)
         return self._ran(bucket, _nearest_depth(speculative, length, above=False))
 
 

@@ -21,6 +21,7 @@ from specrun.runtime.acceptance import (
 from specrun.runtime.config import POLICY_NAMES, EngineConfig
 from specrun.runtime.policy import (
     EXPLORE_EVERY,
+    EXPLORE_SHARE,
     POLICIES,
     CostPolicy,
     dsde_length,
@@ -180,12 +181,22 @@ def test_cost_does_not_flap_around_a_threshold():
 
 
 def test_cost_explores_while_plain_wins():
-    """While plain decoding wins the smallest tree still runs one round in EXPLORE_EVERY."""
+    """While plain decoding wins the smallest tree still runs now and then, in at most
+    EXPLORE_SHARE of the time (plus one round), and every EXPLORE_EVERY rounds while its
+    cost is unknown."""
     policy, costs = CostPolicy(), _costs(GPU_COSTS)
-    chosen = [policy.choose(1, LADDER, [_estimate(0.02)], costs) for _ in range(4 * EXPLORE_EVERY)]
+    chosen = [policy.choose(1, LADDER, [_estimate(0.02)], costs) for _ in range(400)]
     explored = [c for c in chosen if c != PLAIN]
     assert explored and all(c == LADDER[-2] for c in explored)
-    assert len(explored) <= 4
+    extra = GPU_COSTS[LADDER[-2].tree] - GPU_COSTS[None]
+    plain_seconds = (len(chosen) - len(explored)) * GPU_COSTS[None]
+    assert len(explored) * extra <= EXPLORE_SHARE * plain_seconds + extra
+    assert len(explored) * extra >= EXPLORE_SHARE * plain_seconds - extra
+    unknown = RoundCosts()
+    unknown.seed(1, PLAIN, GPU_COSTS[None])
+    policy, poor = make_policy("dsde"), AcceptanceEstimate(divergence=5.0, num_speculative_rounds=1)
+    chosen = [policy.choose(1, LADDER, [poor], unknown) for _ in range(4 * EXPLORE_EVERY)]
+    assert chosen.count(LADDER[-2]) == 3 and chosen.count(PLAIN) == len(chosen) - 3
 
 
 def test_batch_table_switches_off_for_good_below_its_cutoff():

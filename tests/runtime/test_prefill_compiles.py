@@ -36,6 +36,7 @@ def _decoder(target, *, compile: bool) -> Decoder:
         compile=compile,
         cuda_graphs=False,
         max_seq_len=160,
+        policy="fixed",
     )
     decoder = Decoder(target, TargetAsDraft(target), config, eos_token_ids=(11,))
     decoder._round, decoder._decode = speculative_round, decode_round  # prefills compiled only
