@@ -8,10 +8,13 @@ acceptance is a = 1 - (1 - alpha)^w, and the accepted length of a depth-D tree i
 sum_{d=1..D} a^d (levels accepted one after another, as the walk goes). Every speculative
 round refines alpha from what the request accepted under the shape it ran (a smoothed
 per-level rate mapped back through the width). Plain rounds say nothing about it, so each one
-moves it a step back towards the engine's running mean (`STALE_RATE`): a request that fell
-back to plain decoding after a few poor rounds is tried again unless the engine's requests
-accept little in general (acceptance moves with the text; a stale low estimate would keep
-the request plain for good). A
+moves it a step back towards the running mean of the engine's requests of its kind
+(`STALE_RATE`; greedy and sampling requests keep separate means, as they accept very
+differently): a request that fell back to plain decoding after a few poor rounds is tried
+again unless such requests accept little in general (acceptance moves with the text; a
+stale low estimate would keep the request plain for good). Once a plain round has left a
+request's draft behind for good (`in_step` False: see RoundPlanner.plan) no tree is
+expected to accept anything for it. A
 speculative round also reports, at the root, the draft's confidence and the KL divergence of
 its distribution from the target's (round.acceptance_signals); each request keeps their
 moving averages and the KL's variance (DSDE's stability signal).
@@ -68,13 +71,22 @@ class AcceptanceEstimate:
     policies read (the last round's accepted tokens and depth, a moving average of accepted
     tokens per speculative round).
 
-    alpha: starts at the engine's running mean (`AcceptanceBook.prior`).
+    alpha: starts at the running mean of the engine's requests of its kind
+        (`AcceptanceBook.prior`).
+    kind: what the engine's running means are kept by (AcceptanceBook.get).
+    prior: the running mean alpha of the engine's requests of its kind, as of the last
+        AcceptanceBook.get.
+    in_step: whether the request's draft cache is in step with its tokens (False once a
+        plain round left it behind: its drafts cannot be accepted but by chance).
     remaining: the tokens the request may still generate, set by the scheduler before each
         round while no request waits for a slot (the batch then runs until its longest
         request ends); None while some do.
     """
 
     alpha: float = PRIOR_ALPHA
+    kind: Hashable = None
+    prior: float = PRIOR_ALPHA
+    in_step: bool = True
     confidence: float = 0.0
     divergence: float = 0.0
     divergence_square: float = 0.0
@@ -120,24 +132,33 @@ class AcceptanceEstimate:
         """The standard deviation of the root KL divergence over recent rounds."""
         return math.sqrt(max(self.divergence_square - self.divergence**2, 0.0))
 
-    def expected(self, tree: TreeShape | StaticTree | None) -> float:
-        """Expected accepted draft tokens of one round of `tree` (0 for plain)."""
-        return expected_accepted(self.alpha, tree)
+    def expected(self, tree: TreeShape | StaticTree | None, *, at_prior: bool = False) -> float:
+        """Expected accepted draft tokens of one round of `tree` (0 for plain, and once the
+        draft was left behind); with `at_prior`, for a request of its kind on average."""
+        if not self.in_step:
+            return 0.0
+        return expected_accepted(self.prior if at_prior else self.alpha, tree)
 
 
 @dataclass
 class AcceptanceBook:
-    """The estimates of the requests decoding, and the engine's running mean alpha that new
-    requests start from."""
+    """The estimates of the requests decoding, and per kind of request (greedy or sampling,
+    say) the running mean alpha that new requests of that kind start from."""
 
-    prior: float = PRIOR_ALPHA
+    priors: dict[Hashable, float] = field(default_factory=dict)
     estimates: dict[Hashable, AcceptanceEstimate] = field(default_factory=dict)
 
-    def get(self, request: Hashable) -> AcceptanceEstimate:
-        """The request's estimate (a new one starts at the engine's prior)."""
+    def prior(self, kind: Hashable = None) -> float:
+        """The running mean alpha of the requests of `kind` (PRIOR_ALPHA before any)."""
+        return self.priors.get(kind, PRIOR_ALPHA)
+
+    def get(self, request: Hashable, kind: Hashable = None) -> AcceptanceEstimate:
+        """The request's estimate (a new one starts at the prior of its `kind`)."""
         if request not in self.estimates:
-            self.estimates[request] = AcceptanceEstimate(alpha=self.prior)
-        return self.estimates[request]
+            self.estimates[request] = AcceptanceEstimate(alpha=self.prior(kind), kind=kind)
+        estimate = self.estimates[request]
+        estimate.prior = self.prior(estimate.kind)
+        return estimate
 
     def observe(
         self,
@@ -147,11 +168,14 @@ class AcceptanceBook:
         signals: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         estimate = self.get(request)
+        if not estimate.in_step:
+            return
         estimate.observe(tree, num_accepted, signals)
+        prior = self.prior(estimate.kind)
         if tree is None:
-            estimate.alpha = _blend(estimate.alpha, self.prior, STALE_RATE)
+            estimate.alpha = _blend(estimate.alpha, prior, STALE_RATE)
         else:
-            self.prior = _blend(self.prior, estimate.alpha, 0.05)
+            self.priors[estimate.kind] = _blend(prior, estimate.alpha, 0.05)
 
     def forget(self, request: Hashable) -> None:
         """Drop a finished request's estimate."""

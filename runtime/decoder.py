@@ -282,7 +282,8 @@ class Decoder:
         while not tracker.all_done:
             while len(reader) <= lag:
                 live = [slot for slot, done in enumerate(tracker.done) if not done]
-                variant = self.planner.plan(bucket, params, [book.get(slot) for slot in live])
+                estimates = [book.get(slot, kind=params[slot].greedy) for slot in live]
+                variant = self.planner.plan(bucket, params, estimates)
                 reader.submit(self.round_runner(bucket, variant=variant), tag=variant)
             rows, seconds, variant = reader.read()
             stats.round_seconds += seconds

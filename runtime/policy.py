@@ -56,6 +56,7 @@ WINDOW, CUTOFF = 256, 0.5
 EMA_RATE = 0.2
 DSDE_PLAIN_BELOW = 0.5
 SLOWEST_QUANTILE = 1 / 4
+LEAVE_BEHIND_MARGIN = 0.2
 
 
 class Candidate(Protocol, Hashable):
@@ -100,6 +101,11 @@ class Policy:
     def observe(self, bucket: int, candidate: Candidate, accepted: Sequence[int]) -> None:
         """One round's accepted draft tokens of its live rows."""
 
+    def leaves_draft_behind(self, bucket: int) -> bool:
+        """Whether the plain round just chosen for the bucket may leave the live requests'
+        drafts behind for good (RoundPlanner.plan then runs a bare plain step)."""
+        return False
+
     @property
     def adaptive(self) -> bool:
         """Whether the policy chooses among several shapes (False: only the first is built)."""
@@ -128,11 +134,17 @@ class _ExploringPolicy(Policy):
         self._explore_credit: dict[int, float] = {}
 
     def _settle(
-        self, bucket: int, candidates: Sequence[Candidate], best: Candidate, costs: RoundCosts
+        self,
+        bucket: int,
+        candidates: Sequence[Candidate],
+        best: Candidate,
+        requests: Sequence[AcceptanceEstimate],
+        costs: RoundCosts,
     ) -> Candidate:
-        """Run `best`, or the exploring round when it is due."""
+        """Run `best`, or the exploring round when it is due (never for requests whose
+        drafts were left behind)."""
         speculative = _speculative(candidates)
-        if best.tree is not None or not speculative:
+        if best.tree is not None or not speculative or not any(r.in_step for r in requests):
             self._explore_credit[bucket] = 0.0
             return self._ran(bucket, best)
         explorer = speculative[-1]
@@ -165,22 +177,43 @@ class CostPolicy(_ExploringPolicy):
         # expected of its rounds in flight, in launch order.
         self.calibration: dict[Hashable, float] = {}
         self._expected: dict[Hashable, deque[float]] = {}
+        self._leave_behind: dict[int, bool] = {}
 
     def choose(self, bucket, candidates, requests, costs):
+        self._leave_behind[bucket] = False
         unmeasured = [c for c in candidates if costs.get(bucket, c) is None]
         if unmeasured:
             return self._launched(self._ran(bucket, unmeasured[0]), requests)
-        rates = {
-            c: _tokens_per_second(
-                c, requests, costs.get(bucket, c), self.calibration.get(c.tree, 1.0)
-            )
-            for c in candidates
-        }
+        rates = {c: self._rate(bucket, c, requests, costs) for c in candidates}
         best = max(candidates, key=rates.__getitem__)
         current = self._current.get(bucket)
         if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
             best = current
-        return self._launched(self._settle(bucket, candidates, best, costs), requests)
+        if best.tree is None and self._hopeless(bucket, candidates, requests, costs):
+            if any(r.in_step and not r.num_speculative_rounds for r in requests):
+                explorer = _speculative(candidates)[-1]
+                return self._launched(self._ran(bucket, explorer, explored=True), requests)
+            self._leave_behind[bucket] = True
+            return self._ran(bucket, best)
+        return self._launched(self._settle(bucket, candidates, best, requests, costs), requests)
+
+    def leaves_draft_behind(self, bucket):
+        return self._leave_behind.get(bucket, False)
+
+    def _rate(self, bucket, candidate, requests, costs, *, at_prior=False) -> float:
+        calibration = self.calibration.get(candidate.tree, 1.0)
+        seconds = costs.get(bucket, candidate)
+        return _tokens_per_second(candidate, requests, seconds, calibration, at_prior=at_prior)
+
+    def _hopeless(self, bucket, candidates, requests, costs) -> bool:
+        """Whether plain decoding beats every tree by LEAVE_BEHIND_MARGIN for requests
+        accepting what their kind accepts on average (some of them still in step)."""
+        speculative = _speculative(candidates)
+        if not speculative or not any(r.in_step for r in requests):
+            return False
+        plain = next(c for c in candidates if c.tree is None)
+        rates = [self._rate(bucket, c, requests, costs, at_prior=True) for c in speculative]
+        return self._rate(bucket, plain, requests, costs) >= (1 + LEAVE_BEHIND_MARGIN) * max(rates)
 
     def _launched(self, chosen: Candidate, requests: Sequence[AcceptanceEstimate]) -> Candidate:
         """Remember what `chosen` is expected to accept, for `observe` to calibrate by."""
@@ -214,7 +247,7 @@ class DsdePolicy(_ExploringPolicy):
         length = sum(dsde_length(r, deepest) for r in measured) / len(measured)
         plain = [c for c in candidates if c.tree is None]
         if length < DSDE_PLAIN_BELOW and plain:
-            return self._settle(bucket, candidates, plain[0], costs)
+            return self._settle(bucket, candidates, plain[0], requests, costs)
         return self._ran(bucket, _nearest_depth(speculative, length, above=False))
 
 
@@ -234,12 +267,15 @@ def _tokens_per_second(
     requests: Sequence[AcceptanceEstimate],
     seconds: float,
     calibration: float = 1.0,
+    *,
+    at_prior: bool = False,
 ) -> float:
     """The batch's expected tokens per second under `candidate` (expected accepted drafts
-    times `calibration`); while no request waits (every `remaining` known), the rate at which
-    its slowest requests end instead (the `SLOWEST_QUANTILE` quantile of the requests'
-    progress per round through what remains of them), scaled to the batch's tokens."""
-    gains = [1.0 + calibration * r.expected(candidate.tree) for r in requests]
+    times `calibration`; with `at_prior`, of requests accepting what their kind does on
+    average); while no request waits (every `remaining` known), the rate at which its
+    slowest requests end instead (the `SLOWEST_QUANTILE` quantile of the requests' progress
+    per round through what remains of them), scaled to the batch's tokens."""
+    gains = [1.0 + calibration * r.expected(candidate.tree, at_prior=at_prior) for r in requests]
     if not requests or any(r.remaining is None for r in requests):
         return sum(gains) / seconds
     total = sum(max(r.remaining, 1) for r in requests)

@@ -133,12 +133,15 @@ class RoundPlanner:
 
     def launchable(self, bucket: int, params: Sequence[SamplingParams]) -> list[RoundVariant]:
         """Every round `plan` may launch in the bucket for these requests (plain rounds that
-        append to the pending pairs and that commit them)."""
+        append to the pending pairs, that commit them, and, for an adaptive policy, that leave them
+        alone)."""
         found = []
         for variant in self.candidates(bucket, params):
             if variant.tree is None and self.speculates:
                 found.append(dataclasses.replace(variant, appends=True))
                 found.append(dataclasses.replace(variant, num_pending=self.pending_width))
+                if self.policy.adaptive:
+                    found.append(variant)
             else:
                 found.append(variant)
         return found
@@ -161,14 +164,22 @@ class RoundPlanner:
         """The round to launch next in the bucket for live requests with these parameters and
         acceptance estimates: the policy's choice among `candidates`. A plain one appends its
         pair to the pending ones while they have room in every slot, and commits them to the
-        draft cache when they may not, so the draft falls at most a pending width behind.
-        Call it for every round launched, in launch order."""
+        draft cache when they may not, so the draft falls at most a pending width behind;
+        unless the policy lets the drafts fall behind for good, or they already have (no
+        estimate `in_step`): then it is a bare plain step, and it marks every estimate out
+        of step (a tree round stays lossless for such a request, its drafts just go
+        unaccepted). Call it for every round launched, in launch order."""
         found = self.candidates(bucket, params)
         chosen = (
             found[0]
             if len(found) == 1
             else self.policy.choose(bucket, found, estimates, self.costs)
         )
+        behind = self.policy.leaves_draft_behind(bucket) or not any(e.in_step for e in estimates)
+        if chosen.tree is None and self.speculates and self.policy.adaptive and behind:
+            for estimate in estimates:
+                estimate.in_step = False
+            return chosen
         if chosen.tree is not None:
             self._max_pending = chosen.tree.depth + 1
         elif self.speculates and self._max_pending < self.pending_width:

@@ -391,7 +391,7 @@ class Scheduler:
         if not live:
             return
         params = [h.params for h in live]
-        estimates = [self._acceptance.get(h) for h in live]
+        estimates = [self._acceptance.get(h, kind=h.params.greedy) for h in live]
         nobody_waits = not self._waiting
         for handle, estimate in zip(live, estimates, strict=True):
             left = handle.params.max_new_tokens - len(handle.token_ids)

@@ -9,6 +9,7 @@ import torch
 
 from specrun.models.config import LlamaConfig
 from specrun.models.llama import Llama
+from specrun.runtime.policy import Policy
 
 
 def tiny_config(**overrides) -> LlamaConfig:
@@ -108,21 +109,28 @@ class TargetAsDraft(torch.nn.Module):
         return DraftOutput(hidden, self.logits(hidden), k_new, v_new)
 
 
-class ShuffledPolicy:
+class ShuffledPolicy(Policy):
     """A speculation policy (runtime/policy.py) that picks any candidate at random, so the
-    shape changes between rounds; remembers each round's tree and accepted drafts."""
+    shape changes between rounds, and with probability `leave_behind` lets a plain round
+    leave the drafts behind for good; remembers each round's tree and accepted drafts."""
 
     name = "shuffled"
-    adaptive = True
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, *, leave_behind: float = 0.0) -> None:
         import random
 
         self._random = random.Random(seed)
+        self._leave_behind = leave_behind
+        self._left_behind = False
         self.observed: list[tuple[object, list[int]]] = []
 
     def choose(self, bucket, candidates, requests, costs):
-        return self._random.choice(candidates)
+        chosen = self._random.choice(candidates)
+        self._left_behind = chosen.tree is None and self._random.random() < self._leave_behind
+        return chosen
+
+    def leaves_draft_behind(self, bucket):
+        return self._left_behind
 
     def observe(self, bucket, candidate, accepted):
         self.observed.append((candidate.tree, list(accepted)))

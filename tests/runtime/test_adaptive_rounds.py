@@ -118,3 +118,42 @@ def test_seeded_sampling_with_shapes_changing_every_round_is_the_reference(targe
     for seed in (1, 2):
         decoder, _ = _decoder(target, head, seed=seed)
         assert decode_tokens(decoder, PROMPTS[:3], params)[0] == want
+
+
+def _recording_plans(decoder: Decoder) -> list:
+    """The list the decoder's planner appends each planned round to."""
+    planned, plan = [], decoder.planner.plan
+
+    def recorded(*args, **kwargs):
+        planned.append(plan(*args, **kwargs))
+        return planned[-1]
+
+    decoder.planner.plan = recorded
+    return planned
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_drafts_left_behind_for_good_still_decode_the_reference(target, sampled):
+    """Plain rounds that leave the drafts behind (bare steps, the pending pairs untouched)
+    and tree rounds after them (drafts out of step, never accepted but by chance) decode the
+    reference's tokens, greedy and seeded sampling alike."""
+    head = random_head("eagle3", target)
+    temperature = 1.0 if sampled else 0.0
+    params = [
+        SamplingParams(temperature=temperature, max_new_tokens=n, seed=n, ignore_eos=True)
+        for n in (28, 21, 25)
+    ]
+    want = [g.token_ids for g in reference_generate(target, PROMPTS[:3], params)]
+    num_left_behind = num_stale_trees = 0
+    for seed in (1, 2, 3):
+        decoder, _ = _decoder(target, head, seed=seed)
+        decoder.planner.policy = ShuffledPolicy(seed, leave_behind=0.5)
+        planned = _recording_plans(decoder)
+        assert decode_tokens(decoder, PROMPTS[:3], params)[0] == want
+        bare = [i for i, v in enumerate(planned) if v.tree is None and not v.appends]
+        bare = [i for i in bare if not planned[i].num_pending]
+        if bare:
+            num_left_behind += 1
+            assert not any(v.appends or v.num_pending for v in planned[bare[0] :])
+            num_stale_trees += sum(v.tree is not None for v in planned[bare[0] :])
+    assert num_left_behind >= 2 and num_stale_trees

@@ -14,6 +14,7 @@ import torch
 
 from specrun.models.default import default_head_dir
 from specrun.runtime import round as round_module
+from specrun.runtime.acceptance import AcceptanceEstimate
 from specrun.runtime.config import (
     DEFAULT_TREES,
     HEAD_TREES_FILE,
@@ -22,6 +23,7 @@ from specrun.runtime.config import (
     default_trees,
 )
 from specrun.runtime.decoder import Decoder
+from specrun.runtime.policy import Policy
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.round_plan import RoundVariant
 from specrun.runtime.stats import DecodeStats
@@ -143,15 +145,16 @@ def test_an_adaptive_policy_builds_each_buckets_ladder(target):
     )
     assert RoundVariant(appends=True) in decoder.planner.launchable(1, greedy)
     assert RoundVariant(num_pending=5) in decoder.planner.launchable(1, greedy)
+    assert RoundVariant() in decoder.planner.launchable(1, greedy)
     plain = Decoder(target, None, EngineConfig(device="cpu", buckets=(1, 2)))
     assert plain.planner.shapes(1) == (None,)
     assert plain.planner.launchable(2, greedy) == [RoundVariant()]
 
 
-class _ScriptedPolicy:
+class _ScriptedPolicy(Policy):
     """Picks the candidate whose tree is next in the script."""
 
-    name, adaptive = "scripted", True
+    name = "scripted"
 
     def __init__(self, trees) -> None:
         self._trees = iter(trees)
@@ -169,7 +172,7 @@ def test_plain_rounds_append_while_every_slot_has_room_then_commit(target):
     script = [None] * 6 + [small, None, None, None, TreeShape(4, 3, 10), None]
     decoder.planner.policy = _ScriptedPolicy(script)
     greedy = [SamplingParams()]
-    planned = [decoder.planner.plan(1, greedy, [None]) for _ in script]
+    planned = [decoder.planner.plan(1, greedy, [AcceptanceEstimate()]) for _ in script]
     appends, commits = RoundVariant(appends=True), RoundVariant(num_pending=5)
     assert planned == [
         *[appends] * 4, commits, appends,

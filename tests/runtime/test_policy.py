@@ -83,11 +83,11 @@ def test_estimates_follow_what_requests_accept():
     assert book.get("good").alpha > 0.9 and book.get("bad").alpha < 0.1
     assert book.get("plain").rounds_since_speculation == 30
     assert 0.1 < book.get("newcomer").alpha < 0.9
-    assert book.get("newcomer").alpha == book.prior
+    assert book.get("newcomer").alpha == book.prior()
     for num_plain in range(30):
-        assert abs(book.get("bad").alpha - book.prior) > 0.02, num_plain
+        assert abs(book.get("bad").alpha - book.prior()) > 0.02, num_plain
         book.observe("bad", None, 0)
-    assert book.get("bad").alpha == pytest.approx(book.prior, abs=0.02)
+    assert book.get("bad").alpha == pytest.approx(book.prior(), abs=0.02)
     book.forget("good")
     assert "good" not in book.estimates
 
@@ -135,6 +135,44 @@ def test_with_nobody_waiting_cost_speeds_the_slowest_requests():
     assert CostPolicy().choose(1, LADDER, batch(5, 2), costs) == LADDER[0]
     lone = [AcceptanceEstimate(alpha=0.05, remaining=100)]
     assert CostPolicy().choose(1, LADDER, lone, costs) == PLAIN
+
+
+def test_greedy_and_sampling_requests_keep_their_own_running_means():
+    """New requests start at their kind's mean; a request whose draft was left behind
+    expects nothing of any tree and teaches the means nothing."""
+    book = AcceptanceBook()
+    for _ in range(100):
+        book.get("greedy", kind=True), book.get("sampled", kind=False)
+        book.observe("greedy", DEEP, DEEP.depth)
+        book.observe("sampled", DEEP, 0)
+    assert book.prior(True) > 0.8 and book.prior(False) < 0.2
+    assert book.get("new greedy", kind=True).alpha == book.prior(True)
+    stale = book.get("stale", kind=True)
+    stale.in_step = False
+    before = book.prior(True)
+    book.observe("stale", DEEP, 0)
+    assert book.prior(True) == before and stale.expected(DEEP) == 0.0
+
+
+def test_cost_leaves_drafts_behind_only_when_requests_of_the_kind_would_not_pay():
+    """Plain decoding winning by LEAVE_BEHIND_MARGIN for requests at their kind's mean lets
+    the drafts fall behind, after each request has run one tree; one request's dip below a
+    good mean does not."""
+    costs = _costs(GPU_COSTS)
+    poor_kind = AcceptanceEstimate(alpha=0.02, prior=0.02)
+    policy = CostPolicy()
+    assert policy.choose(1, LADDER, [poor_kind], costs) == LADDER[-2]  # explored once first
+    assert not policy.leaves_draft_behind(1)
+    poor_kind.num_speculative_rounds = 1
+    assert policy.choose(1, LADDER, [poor_kind], costs) == PLAIN
+    assert policy.leaves_draft_behind(1)
+    dip = AcceptanceEstimate(alpha=0.02, prior=0.6, num_speculative_rounds=5)
+    assert policy.choose(1, LADDER, [dip], costs) == PLAIN
+    assert not policy.leaves_draft_behind(1)
+    # Requests already left behind: no exploring, bare plain rounds.
+    stale = AcceptanceEstimate(alpha=0.6, prior=0.6, in_step=False)
+    chosen = [policy.choose(1, LADDER, [stale], costs) for _ in range(400)]
+    assert set(chosen) == {PLAIN}
 
 
 def test_cost_calibrates_a_sampled_tree_that_accepts_less_than_modelled():
