@@ -56,7 +56,7 @@ WINDOW, CUTOFF = 256, 0.5
 EMA_RATE = 0.2
 DSDE_PLAIN_BELOW = 0.5
 SLOWEST_QUANTILE = 1 / 4
-LEAVE_BEHIND_MARGIN = 0.2
+LEAVE_BEHIND_MARGIN = 0.1
 
 
 class Candidate(Protocol, Hashable):
@@ -141,21 +141,23 @@ class _ExploringPolicy(Policy):
         requests: Sequence[AcceptanceEstimate],
         costs: RoundCosts,
     ) -> Candidate:
-        """Run `best`, or the exploring round when it is due (never for requests whose
-        drafts were left behind)."""
+        """Run `best`, or the exploring round when it is due and some request is in step
+        (the credit a plain round earns is kept, up to one exploring round's, while none
+        is)."""
         speculative = _speculative(candidates)
-        if best.tree is not None or not speculative or not any(r.in_step for r in requests):
+        if best.tree is not None or not speculative:
             self._explore_credit[bucket] = 0.0
             return self._ran(bucket, best)
         explorer = speculative[-1]
         plain_seconds, explorer_seconds = costs.get(bucket, best), costs.get(bucket, explorer)
+        in_step = any(r.in_step for r in requests)
         if plain_seconds is None or explorer_seconds is None:
-            due = self._plain_streak.get(bucket, 0) >= EXPLORE_EVERY
+            due = in_step and self._plain_streak.get(bucket, 0) >= EXPLORE_EVERY
         else:
-            credit = self._explore_credit.get(bucket, 0.0) + EXPLORE_SHARE * plain_seconds
             extra = explorer_seconds - plain_seconds
-            due = credit >= extra
-            self._explore_credit[bucket] = credit - extra if due else credit
+            credit = self._explore_credit.get(bucket, 0.0) + EXPLORE_SHARE * plain_seconds
+            due = in_step and credit >= extra
+            self._explore_credit[bucket] = credit - extra if due else min(credit, extra)
         if due:
             return self._ran(bucket, explorer, explored=True)
         return self._ran(bucket, best)
@@ -190,11 +192,10 @@ class CostPolicy(_ExploringPolicy):
         if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
             best = current
         if best.tree is None and self._hopeless(bucket, candidates, requests, costs):
-            if any(r.in_step and not r.num_speculative_rounds for r in requests):
-                explorer = _speculative(candidates)[-1]
-                return self._launched(self._ran(bucket, explorer, explored=True), requests)
-            self._leave_behind[bucket] = True
-            return self._ran(bucket, best)
+            fresh = [r for r in requests if r.in_step and not r.num_speculative_rounds]
+            chosen = self._settle(bucket, candidates, best, fresh, costs)
+            self._leave_behind[bucket] = chosen.tree is None
+            return self._launched(chosen, requests)
         return self._launched(self._settle(bucket, candidates, best, requests, costs), requests)
 
     def leaves_draft_behind(self, bucket):

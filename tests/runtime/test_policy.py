@@ -156,23 +156,29 @@ def test_greedy_and_sampling_requests_keep_their_own_running_means():
 
 def test_cost_leaves_drafts_behind_only_when_requests_of_the_kind_would_not_pay():
     """Plain decoding winning by LEAVE_BEHIND_MARGIN for requests at their kind's mean lets
-    the drafts fall behind, after each request has run one tree; one request's dip below a
-    good mean does not."""
+    the drafts fall behind; new requests take the exploring rounds the budget allows first;
+    one request's dip below a good mean does not leave its draft behind."""
     costs = _costs(GPU_COSTS)
-    poor_kind = AcceptanceEstimate(alpha=0.02, prior=0.02)
     policy = CostPolicy()
-    assert policy.choose(1, LADDER, [poor_kind], costs) == LADDER[-2]  # explored once first
-    assert not policy.leaves_draft_behind(1)
-    poor_kind.num_speculative_rounds = 1
+    poor_kind = AcceptanceEstimate(alpha=0.02, prior=0.02, num_speculative_rounds=1)
     assert policy.choose(1, LADDER, [poor_kind], costs) == PLAIN
     assert policy.leaves_draft_behind(1)
     dip = AcceptanceEstimate(alpha=0.02, prior=0.6, num_speculative_rounds=5)
     assert policy.choose(1, LADDER, [dip], costs) == PLAIN
     assert not policy.leaves_draft_behind(1)
-    # Requests already left behind: no exploring, bare plain rounds.
+    # A new request every round: the explored ones fit the budget; the rest are left behind.
+    policy, chosen, left_behind = CostPolicy(), [], 0
+    for _ in range(400):
+        chosen.append(policy.choose(1, LADDER, [AcceptanceEstimate(alpha=0.02, prior=0.02)], costs))
+        left_behind += policy.leaves_draft_behind(1)
+    explored = [c for c in chosen if c != PLAIN]
+    assert explored and set(explored) == {LADDER[-2]}
+    extra = GPU_COSTS[LADDER[-2].tree] - GPU_COSTS[None]
+    assert len(explored) * extra <= EXPLORE_SHARE * left_behind * GPU_COSTS[None] + extra
+    assert left_behind == len(chosen) - len(explored)
+    # Requests already left behind: no exploring, however long.
     stale = AcceptanceEstimate(alpha=0.6, prior=0.6, in_step=False)
-    chosen = [policy.choose(1, LADDER, [stale], costs) for _ in range(400)]
-    assert set(chosen) == {PLAIN}
+    assert {policy.choose(1, LADDER, [stale], costs) for _ in range(400)} == {PLAIN}
 
 
 def test_cost_calibrates_a_sampled_tree_that_accepts_less_than_modelled():
