@@ -36,6 +36,9 @@ from .tree import StaticTree, TreeShape
 PRIOR_ALPHA = 0.6
 # Weight of one round in a request's running alpha.
 ALPHA_RATE = 0.3
+# Weight of one speculative round in the running mean alpha of its kind of request, once the
+# mean has seen enough rounds (before: 1 / (rounds seen + 2), the prior one of them).
+PRIOR_RATE = 0.05
 # The step back towards the engine's running mean alpha of a request's alpha per plain round.
 STALE_RATE = 0.1
 # Weight of one round in a round cost's moving average.
@@ -147,6 +150,7 @@ class AcceptanceBook:
 
     priors: dict[Hashable, float] = field(default_factory=dict)
     estimates: dict[Hashable, AcceptanceEstimate] = field(default_factory=dict)
+    num_observed: dict[Hashable, int] = field(default_factory=dict)
 
     def prior(self, kind: Hashable = None) -> float:
         """The running mean alpha of the requests of `kind` (PRIOR_ALPHA before any)."""
@@ -175,7 +179,10 @@ class AcceptanceBook:
         if tree is None:
             estimate.alpha = _blend(estimate.alpha, prior, STALE_RATE)
         else:
-            self.priors[estimate.kind] = _blend(prior, estimate.alpha, 0.05)
+            seen = self.num_observed.get(estimate.kind, 0)
+            self.num_observed[estimate.kind] = seen + 1
+            rate = max(PRIOR_RATE, 1.0 / (seen + 2))
+            self.priors[estimate.kind] = _blend(prior, estimate.alpha, rate)
 
     def forget(self, request: Hashable) -> None:
         """Drop a finished request's estimate."""

@@ -138,9 +138,14 @@ def test_with_nobody_waiting_cost_speeds_the_slowest_requests():
 
 
 def test_greedy_and_sampling_requests_keep_their_own_running_means():
-    """New requests start at their kind's mean; a request whose draft was left behind
-    expects nothing of any tree and teaches the means nothing."""
+    """New requests start at their kind's mean, which learns fast from its first rounds; a
+    request whose draft was left behind expects nothing of any tree and teaches the means
+    nothing."""
     book = AcceptanceBook()
+    for _ in range(4):
+        book.get("first", kind=False)
+        book.observe("first", DEEP, 0)
+    assert book.prior(False) < 0.45 and book.prior(True) == book.prior()
     for _ in range(100):
         book.get("greedy", kind=True), book.get("sampled", kind=False)
         book.observe("greedy", DEEP, DEEP.depth)
