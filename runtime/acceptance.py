@@ -14,10 +14,10 @@ differently): a request that fell back to plain decoding after a few poor rounds
 again unless such requests accept little in general (acceptance moves with the text; a
 stale low estimate would keep the request plain for good). Once a plain round has left a
 request's draft behind for good (`in_step` False: see RoundPlanner.plan) no tree is
-expected to accept anything for it. A
-speculative round also reports, at the root, the draft's confidence and the KL divergence of
-its distribution from the target's (round.acceptance_signals); each request keeps their
-moving averages and the KL's variance (DSDE's stability signal).
+expected to accept anything for it. A speculative round also reports, at the root, the
+draft's confidence and the KL divergence of its distribution from the target's
+(round.acceptance_signals); each request keeps their moving averages and the KL's variance
+(DSDE's stability signal).
 
 Costs are seconds per round, per (bucket, round variant): a moving average of the rounds the
 host has read (GPU time on CUDA), seeded from a measured profile when there is one.

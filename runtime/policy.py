@@ -4,28 +4,37 @@ decoding included) the batch runs.
 Each bucket has a ladder of candidate shapes (`tree_ladder`): its configured tree, a tree of
 half its depth and width, a small tree, and plain decoding. Every candidate is a whole round
 compiled (and on CUDA captured) for the bucket, so switching costs nothing; the Decoder keeps
-the draft cache in step through plain rounds, so any round may speculate again.
+the draft cache in step through plain rounds, so any round may speculate again (until a
+policy lets the drafts fall behind for good, `Policy.leaves_draft_behind`).
 
 Policies, by `EngineConfig.policy` name:
 - `fixed`: the configured tree, every round (no other shape is built).
 - `cost` (the default): the shape that maximises expected tokens per second, the sum over
   live requests of (1 + expected accepted drafts) divided by the round's measured seconds
-  (runtime/acceptance.py); a shape not yet measured runs first. While no request waits for
-  a slot, nothing refills the slots of requests that end, so the batch takes as long as its
-  slowest request: the shape that minimises the rounds that request needs times their cost
-  (remaining tokens / (1 + expected accepted drafts), the `SLOWEST_QUANTILE` quantile over
-  the requests rather than their maximum: each estimate rests on a few rounds, and the
-  lowest of 64 noisy estimates is far below the slowest request's real acceptance). The
-  acceptance model's
-  expectation for a sampled (stochastic) tree is calibrated by what that tree's rounds
+  (runtime/acceptance.py); a shape not yet measured runs first.
+  While no request waits for a slot, nothing refills the slots of requests that end, so the
+  batch takes as long as its slowest requests: the shape that minimises the rounds they
+  need times their cost (remaining tokens / (1 + expected accepted drafts), the
+  `SLOWEST_QUANTILE` quantile over the requests rather than their maximum: each estimate
+  rests on a few rounds, and the lowest of 64 noisy estimates is far below the slowest
+  request's real acceptance).
+  The expectation for a sampled (stochastic) tree is calibrated by what that tree's rounds
   accepted against what was expected of them (a moving ratio: the model extrapolates one
   chain acceptance to every tree, and sampled children, drawn with repeats, accept less
-  than it predicts for wide levels). Hysteresis: the
-  current shape stays unless another beats it by `HYSTERESIS`. While plain decoding wins,
-  the smallest tree runs now and then so that acceptance estimates stay current: each plain
-  round earns `EXPLORE_SHARE` of its seconds, and an exploring round runs when the earnings
-  cover what it costs over a plain round (so exploring costs at most that share of the
-  time; every `EXPLORE_EVERY` rounds until both rounds are measured).
+  than it predicts for wide levels).
+  Hysteresis: the current shape stays unless another beats it by `HYSTERESIS`.
+  While plain decoding wins, the smallest tree runs now and then so that acceptance
+  estimates stay current: each plain round earns `EXPLORE_SHARE` of its seconds, and an
+  exploring round runs when the earnings cover what it costs over a plain round (so
+  exploring costs at most that share of the time; every `EXPLORE_EVERY` rounds until both
+  rounds are measured).
+  When plain decoding wins by `LEAVE_BEHIND_MARGIN` even for requests that accept what
+  their kind accepts on average (the engine's running mean, not one request's recent
+  rounds, which dip and recover with the text), the policy lets the live requests' drafts
+  fall behind for good (`leaves_draft_behind`): the planner then runs bare plain steps,
+  which neither append to nor commit the pending pairs, so plain decoding costs what it
+  costs without a head. Requests that have not yet run a tree take the exploring rounds
+  the budget allows first, so the running means keep learning.
 - `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
   per request-round over the last `WINDOW` falls below `CUTOFF`, then plain decoding for
   good (TensorRT-LLM's rule; vLLM's table without the cut-off).
