@@ -5,9 +5,11 @@
 round variant, the captured graphs themselves on CUDA) over a state of done slots, and
 returns a `CostProfile`: the identity of what was measured (device, torch and Triton
 versions, dtype, the target's and head's shapes, compiled or eager, CUDA graphs or not) and
-bucket -> round tag -> milliseconds. `specrun tune` writes it into the cache (`profile_path`);
-`load_into` seeds a decoder's `RoundCosts` from a profile after checking it was measured for
-this decoder, and refuses one measured for something else, saying how to rebuild it.
+bucket -> round tag -> milliseconds. `specrun tune` writes it into the cache (`profile_path`),
+`specrun compile` into its artifacts (`save_to_artifacts`: the rounds it built, measured as
+it built them; `load_from_artifacts` when an engine starts from them); `load_into` seeds a
+decoder's `RoundCosts` from a profile after checking it was measured for this decoder, and
+refuses one measured for something else, saying how to rebuild it.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .aot import expected_manifest
+from .aot import artifact_parts, expected_manifest
 from .decoder import Decoder
 from .round_plan import RoundVariant
 from .slots import restore_rows, save_rows
@@ -38,6 +41,8 @@ MANIFEST_FIELDS = (
     "cuda_graphs",
 )  # fmt: skip
 IDENTITY_FIELDS = (*MANIFEST_FIELDS, "compiled")
+# The profile in an artifacts directory (or in each part of one).
+ARTIFACT_FILE = "cost_profile.json"
 
 
 @dataclass(frozen=True)
@@ -84,11 +89,18 @@ def profile_path(decoder: Decoder, root: str | Path) -> Path:
 
 
 @torch.inference_mode()
-def measure(decoder: Decoder, *, num_rounds: int = 10, filtered: bool = False) -> CostProfile:
-    """Prepare and time every round the decoder's buckets may run (graphs replayed on CUDA,
-    the compiled or eager step elsewhere) over states of done slots."""
+def measure(
+    decoder: Decoder,
+    *,
+    num_rounds: int = 10,
+    filtered: bool = False,
+    buckets: Sequence[int] | None = None,
+) -> CostProfile:
+    """Prepare and time every round the decoder's buckets (or `buckets` of them) may run
+    (graphs replayed on CUDA, the compiled or eager step elsewhere) over states of done
+    slots."""
     milliseconds: dict[int, dict[str, float]] = {}
-    for bucket in reversed(decoder.config.buckets):
+    for bucket in reversed(decoder.config.buckets if buckets is None else sorted(buckets)):
         rounds = milliseconds.setdefault(bucket, {})
         for variant in decoder.planner.variants(bucket, filtered=filtered):
             key = variant.cost_key
@@ -161,3 +173,31 @@ def seed(decoder: Decoder, profile: CostProfile) -> None:
             key = variant.cost_key
             if key.tag in rounds:
                 decoder.planner.costs.seed(bucket, key, rounds[key.tag] / 1e3)
+
+
+def save_to_artifacts(
+    decoder: Decoder,
+    out: str | Path,
+    *,
+    filtered: bool,
+    buckets: Sequence[int] | None = None,
+    command: str = "",
+) -> CostProfile:
+    """Measure the rounds of `buckets` (default: all) that `specrun compile` just built into
+    `out`, and write the profile there (ARTIFACT_FILE)."""
+    profile = dataclasses.replace(
+        measure(decoder, filtered=filtered, buckets=buckets), command=command
+    )
+    (Path(out) / ARTIFACT_FILE).write_text(profile.to_json())
+    return profile
+
+
+def load_from_artifacts(decoder: Decoder, path: str | Path, *, rebuild: str) -> bool:
+    """Seed the decoder's round costs from the profiles in artifacts `path` (one per part;
+    refused as `load_into` does). Returns whether they cover every bucket."""
+    covered: set[int] = set()
+    for part in artifact_parts(path):
+        file = part / ARTIFACT_FILE
+        if file.is_file():
+            covered.update(load_into(decoder, file, rebuild=rebuild).milliseconds)
+    return set(decoder.config.buckets) <= covered

@@ -102,7 +102,13 @@ class Engine:
         logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - started)
         engine = cls(model, Tokenizer.from_dir(model_dir), config, head=head)
         if artifacts is not None:
-            aot.load_into(engine.decoder, artifacts, rebuild=aot.compile_command(**command))
+            rebuild = aot.compile_command(**command)
+            aot.load_into(engine.decoder, artifacts, rebuild=rebuild)
+            if engine.decoder.planner.policy.adaptive:
+                engine._profiled = (
+                    cost_profile.load_from_artifacts(engine.decoder, artifacts, rebuild=rebuild)
+                    or engine._profiled
+                )
         return engine
 
     def _load_cost_profile(self) -> None:

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from ..models.default import default_model_dir
 from ..models.loading import load_draft, load_target
-from ..runtime import aot
+from ..runtime import aot, cost_profile
 from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
 from ..runtime.decoder import Decoder
 from ..runtime.graphs import artifacts
@@ -140,15 +140,20 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
         return _build_in_parts(args, parts)
     loaded = time.perf_counter()
+    command = shlex.join(["specrun", *sys.argv[1:]])
     manifest = aot.build(
         decoder,
         args.out,
         filtered=filtered,
         precompile=precompile,
         progress=True,
-        command=shlex.join(["specrun", *sys.argv[1:]]),
+        command=command,
         buckets=args.only_buckets,
     )
+    if decoder.planner.policy.adaptive:  # what the cost policy starts from when served
+        cost_profile.save_to_artifacts(
+            decoder, args.out, filtered=filtered, buckets=args.only_buckets, command=command
+        )
     seconds = time.perf_counter() - loaded
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(

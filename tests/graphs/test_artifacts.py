@@ -24,7 +24,7 @@ import torch
 from graphs.artifacts_child import decode, prompts
 
 from specrun.models.loading import load_target, save_target
-from specrun.runtime import aot
+from specrun.runtime import aot, cost_profile
 from specrun.runtime.config import EngineConfig, SamplingParams, default_trees, stochastic_trees
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.engine import Engine
@@ -315,6 +315,9 @@ def test_compile_jobs_build_parts_that_load_together(tmp_path, capsys):
     assert cli.main(args) == 0
     parts = aot.artifact_parts(out)
     assert [artifacts.read_manifest(part, rebuild="").built for part in parts] == [(1,), (2,)]
+    # Each part measured its rounds for the cost policy (plain ones: no head here).
+    profiles = [json.loads((part / cost_profile.ARTIFACT_FILE).read_text()) for part in parts]
+    assert [list(p["milliseconds"]) for p in profiles] == [["1"], ["2"]]
     capsys.readouterr()
     assert cli.main(args) == 0 and "is up to date" in capsys.readouterr().out
 

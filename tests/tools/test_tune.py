@@ -70,3 +70,29 @@ def test_a_profile_of_another_setup_is_refused(dirs, tmp_path):
     with pytest.raises(ValueError, match="not a cost profile"):
         cost_profile.load_into(engine.decoder, path, rebuild="specrun tune")
     engine.close()
+
+
+def test_artifact_profiles_are_found_per_part_and_seed_the_engine(dirs, tmp_path):
+    """`specrun compile` writes a profile into each part it builds; an engine started from
+    the artifacts seeds its costs from them and knows whether they cover every bucket."""
+    model, head = dirs
+    config = EngineConfig(device="cpu", buckets=(1, 2), max_seq_len=64, compile=False)
+    built = Engine.from_pretrained(model, draft=head, config=config)
+    for bucket in (1, 2):
+        part = tmp_path / f"part-{bucket}"
+        part.mkdir()
+        (part / "manifest.json").write_text("{}")  # a part, as artifact_parts finds them
+        cost_profile.save_to_artifacts(built.decoder, part, filtered=False, buckets=[bucket])
+    built.close()
+    served = Engine.from_pretrained(model, draft=head, config=config)
+    decoder = served.decoder
+    assert cost_profile.load_from_artifacts(decoder, tmp_path, rebuild="specrun compile ...")
+    for bucket in (1, 2):
+        profile = json.loads((tmp_path / f"part-{bucket}" / "cost_profile.json").read_text())
+        assert list(profile["milliseconds"]) == [str(bucket)]
+        for variant in decoder.planner.candidates(bucket, [SamplingParams()]):
+            want = profile["milliseconds"][str(bucket)][variant.tag] / 1e3
+            assert decoder.planner.costs.get(bucket, variant) == pytest.approx(want)
+    (tmp_path / "part-2" / "cost_profile.json").unlink()
+    assert not cost_profile.load_from_artifacts(decoder, tmp_path, rebuild="")
+    served.close()
