@@ -95,10 +95,11 @@ def measure(
     num_rounds: int = 10,
     filtered: bool = False,
     buckets: Sequence[int] | None = None,
+    command: str = "",
 ) -> CostProfile:
     """Prepare and time every round the decoder's buckets (or `buckets` of them) may run
     (graphs replayed on CUDA, the compiled or eager step elsewhere) over states of done
-    slots."""
+    slots. `command`: the command line that measures it again."""
     milliseconds: dict[int, dict[str, float]] = {}
     for bucket in reversed(decoder.config.buckets if buckets is None else sorted(buckets)):
         rounds = milliseconds.setdefault(bucket, {})
@@ -111,6 +112,7 @@ def measure(
         identity(decoder),
         milliseconds,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        command=command,
     )
 
 
@@ -185,9 +187,7 @@ def save_to_artifacts(
 ) -> CostProfile:
     """Measure the rounds of `buckets` (default: all) that `specrun compile` just built into
     `out`, and write the profile there (ARTIFACT_FILE)."""
-    profile = dataclasses.replace(
-        measure(decoder, filtered=filtered, buckets=buckets), command=command
-    )
+    profile = measure(decoder, filtered=filtered, buckets=buckets, command=command)
     (Path(out) / ARTIFACT_FILE).write_text(profile.to_json())
     return profile
 

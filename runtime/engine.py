@@ -105,10 +105,10 @@ class Engine:
             rebuild = aot.compile_command(**command)
             aot.load_into(engine.decoder, artifacts, rebuild=rebuild)
             if engine.decoder.planner.policy.adaptive:
-                engine._profiled = (
-                    cost_profile.load_from_artifacts(engine.decoder, artifacts, rebuild=rebuild)
-                    or engine._profiled
+                covered = cost_profile.load_from_artifacts(
+                    engine.decoder, artifacts, rebuild=rebuild
                 )
+                engine._profiled = engine._profiled or covered
         return engine
 
     def _load_cost_profile(self) -> None:

@@ -200,7 +200,7 @@ class CostPolicy(_ExploringPolicy):
         current = self._current.get(bucket)
         if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
             best = current
-        if best.tree is None and self._hopeless(bucket, candidates, requests, costs):
+        if best.tree is None and self._hopeless(bucket, candidates, requests, costs, rates[best]):
             fresh = [r for r in requests if r.in_step and not r.num_speculative_rounds]
             chosen = self._settle(bucket, candidates, best, fresh, costs)
             self._leave_behind[bucket] = chosen.tree is None
@@ -215,15 +215,14 @@ class CostPolicy(_ExploringPolicy):
         seconds = costs.get(bucket, candidate)
         return _tokens_per_second(candidate, requests, seconds, calibration, at_prior=at_prior)
 
-    def _hopeless(self, bucket, candidates, requests, costs) -> bool:
-        """Whether plain decoding beats every tree by LEAVE_BEHIND_MARGIN for requests
-        accepting what their kind accepts on average (some of them still in step)."""
+    def _hopeless(self, bucket, candidates, requests, costs, plain_rate: float) -> bool:
+        """Whether plain decoding (at `plain_rate`) beats every tree by LEAVE_BEHIND_MARGIN
+        for requests accepting what their kind accepts on average (some still in step)."""
         speculative = _speculative(candidates)
         if not speculative or not any(r.in_step for r in requests):
             return False
-        plain = next(c for c in candidates if c.tree is None)
         rates = [self._rate(bucket, c, requests, costs, at_prior=True) for c in speculative]
-        return self._rate(bucket, plain, requests, costs) >= (1 + LEAVE_BEHIND_MARGIN) * max(rates)
+        return plain_rate >= (1 + LEAVE_BEHIND_MARGIN) * max(rates)
 
     def _launched(self, chosen: Candidate, requests: Sequence[AcceptanceEstimate]) -> Candidate:
         """Remember what `chosen` is expected to accept, for `observe` to calibrate by."""

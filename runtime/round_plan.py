@@ -175,8 +175,7 @@ class RoundPlanner:
             if len(found) == 1
             else self.policy.choose(bucket, found, estimates, self.costs)
         )
-        behind = self.policy.leaves_draft_behind(bucket) or not any(e.in_step for e in estimates)
-        if chosen.tree is None and self.speculates and self.policy.adaptive and behind:
+        if chosen.tree is None and self.speculates and self._left_behind(bucket, estimates):
             for estimate in estimates:
                 estimate.in_step = False
             return chosen
@@ -189,6 +188,13 @@ class RoundPlanner:
             chosen = dataclasses.replace(chosen, num_pending=self.pending_width)
             self._max_pending = 1
         return chosen
+
+    def _left_behind(self, bucket: int, estimates: Sequence[AcceptanceEstimate]) -> bool:
+        """Whether a plain round now leaves the drafts behind: the policy says so, or none
+        of the live requests is in step any more."""
+        if not self.policy.adaptive:
+            return False
+        return self.policy.leaves_draft_behind(bucket) or not any(e.in_step for e in estimates)
 
     def done(
         self, bucket: int, variant: RoundVariant, seconds: float, accepted: Sequence[int]

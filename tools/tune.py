@@ -63,9 +63,8 @@ def run(args: argparse.Namespace) -> int:
         engine = random_8b_engine(config, plain=args.no_draft)
     else:
         engine = Engine.from_pretrained(args.model, draft=draft or False, config=config)
-    profile = cost_profile.measure(engine.decoder, num_rounds=args.rounds, filtered=args.filtered)
-    profile = cost_profile.CostProfile(
-        profile.identity, profile.milliseconds, profile.created, command(args)
+    profile = cost_profile.measure(
+        engine.decoder, num_rounds=args.rounds, filtered=args.filtered, command=command(args)
     )
     out = args.out or cost_profile.profile_path(engine.decoder, cache_root())
     out.parent.mkdir(parents=True, exist_ok=True)
