@@ -3,7 +3,8 @@
 Defaults: the embedded SmolLM2-135M-Instruct with its shipped head, on the GPU when there is
 one, on 127.0.0.1:8000. On CUDA every bucket's rounds are compiled and captured before the
 server accepts requests (or loaded from `--artifacts`, the output of `specrun compile` for the
-same options), so no request waits for a compilation.
+same options), so no request waits for a compilation; `--no-compile` captures eager rounds
+instead (a warm-up of seconds per round, slower rounds).
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from ..runtime.engine import Engine
 from ..runtime.tree import TreeShape
 from .compile import tree_option_table
 from .eval import parse_tree_shape
-from .generate import add_model_arguments, add_policy_argument, draft_dir
+from .generate import (
+    add_compile_argument,
+    add_model_arguments,
+    add_policy_argument,
+    compile_choice,
+    draft_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="admit requests only when none decodes (static batching, for comparison)",
     )  # fmt: skip
     add_policy_argument(parser)
+    add_compile_argument(parser)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument(
@@ -112,6 +120,7 @@ def engine_config(args: argparse.Namespace, draft: str | Path | None) -> EngineC
         max_prefill_tokens=args.max_prefill_tokens,
         continuous_batching=not args.static_batches,
         policy=args.policy,
+        compile=compile_choice(args),
     )
 
 

@@ -1,4 +1,5 @@
-"""`specrun serve` options into the engine config: per-bucket trees and static batching."""
+"""`specrun serve` options into the engine config: per-bucket trees, static batching and eager
+rounds."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def test_tree_at_replaces_the_table_from_its_bucket_up():
 
 def test_static_batches():
     assert not serve.engine_config(_args("--static-batches"), None).continuous_batching
+
+
+def test_no_compile_runs_eager_rounds():
+    assert serve.engine_config(_args("--no-compile"), None).compile is False
+    assert serve.engine_config(_args(), None).compile is None
 
 
 @pytest.mark.parametrize("bad", ["16", "x=none", "4=3,2", "4=0,1,1"])
