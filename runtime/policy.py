@@ -34,7 +34,10 @@ Policies, by `EngineConfig.policy` name:
   fall behind for good (`leaves_draft_behind`): the planner then runs bare plain steps,
   which neither append to nor commit the pending pairs, so plain decoding costs what it
   costs without a head. Requests that have not yet run a tree take the exploring rounds
-  the budget allows first, so the running means keep learning.
+  the budget allows first, so the running means keep learning; for a kind left behind,
+  that budget shrinks with the share of its explored new requests that turned out worth a
+  tree (at their own estimate after the round), so a kind that never pays stops paying for
+  exploring too.
 - `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
   per request-round over the last `WINDOW` falls below `CUTOFF`, then plain decoding for
   good (TensorRT-LLM's rule; vLLM's table without the cut-off).
@@ -149,10 +152,12 @@ class _ExploringPolicy(Policy):
         best: Candidate,
         requests: Sequence[AcceptanceEstimate],
         costs: RoundCosts,
+        *,
+        share: float = EXPLORE_SHARE,
     ) -> Candidate:
         """Run `best`, or the exploring round when it is due and some request is in step
-        (the credit a plain round earns is kept, up to one exploring round's, while none
-        is)."""
+        (a plain round earns `share` of its seconds; the credit is kept, up to one exploring
+        round's, while no request is in step)."""
         speculative = _speculative(candidates)
         if best.tree is not None or not speculative:
             self._explore_credit[bucket] = 0.0
@@ -164,7 +169,7 @@ class _ExploringPolicy(Policy):
             due = in_step and self._plain_streak.get(bucket, 0) >= EXPLORE_EVERY
         else:
             extra = explorer_seconds - plain_seconds
-            credit = self._explore_credit.get(bucket, 0.0) + EXPLORE_SHARE * plain_seconds
+            credit = self._explore_credit.get(bucket, 0.0) + share * plain_seconds
             due = in_step and credit >= extra
             self._explore_credit[bucket] = credit - extra if due else min(credit, extra)
         if due:
@@ -189,6 +194,10 @@ class CostPolicy(_ExploringPolicy):
         self.calibration: dict[Hashable, float] = {}
         self._expected: dict[Hashable, deque[float]] = {}
         self._leave_behind: dict[int, bool] = {}
+        # Per kind of request: how many new requests of a hopeless kind were explored, and
+        # how many of them turned out worth a tree; the explored ones not yet judged.
+        self._trials: dict[Hashable, tuple[int, int]] = {}
+        self._on_trial: deque[AcceptanceEstimate] = deque(maxlen=64)
 
     def choose(self, bucket, candidates, requests, costs):
         self._leave_behind[bucket] = False
@@ -201,8 +210,12 @@ class CostPolicy(_ExploringPolicy):
         if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
             best = current
         if best.tree is None and self._hopeless(bucket, candidates, requests, costs, rates[best]):
+            self._judge_trials(bucket, candidates, costs)
             fresh = [r for r in requests if r.in_step and not r.num_speculative_rounds]
-            chosen = self._settle(bucket, candidates, best, fresh, costs)
+            share = max((self._trial_share(r.kind) for r in requests), default=EXPLORE_SHARE)
+            chosen = self._settle(bucket, candidates, best, fresh, costs, share=share)
+            if chosen.tree is not None:
+                self._on_trial.extend(fresh)
             self._leave_behind[bucket] = chosen.tree is None
             return self._launched(chosen, requests)
         return self._launched(self._settle(bucket, candidates, best, requests, costs), requests)
@@ -223,6 +236,28 @@ class CostPolicy(_ExploringPolicy):
             return False
         rates = [self._rate(bucket, c, requests, costs, at_prior=True) for c in speculative]
         return plain_rate >= (1 + LEAVE_BEHIND_MARGIN) * max(rates)
+
+    def _trial_share(self, kind: Hashable) -> float:
+        """The exploring share for new requests of a hopeless `kind`: EXPLORE_SHARE times
+        the rate at which exploring its new requests found one worth a tree (counting one
+        success before any trial)."""
+        num_explored, num_paid = self._trials.get(kind, (0, 0))
+        return EXPLORE_SHARE * (num_paid + 1) / (num_explored + 1)
+
+    def _judge_trials(self, bucket, candidates, costs) -> None:
+        """Count each explored new request whose round has been observed: it paid when some
+        tree beats plain decoding for it alone, at its own estimate."""
+        waiting = []
+        for estimate in self._on_trial:
+            if not estimate.num_speculative_rounds:
+                waiting.append(estimate)
+                continue
+            rates = {c.tree: self._rate(bucket, c, [estimate], costs) for c in candidates}
+            paid = max(rates.values()) > rates[None]
+            num_explored, num_paid = self._trials.get(estimate.kind, (0, 0))
+            self._trials[estimate.kind] = (num_explored + 1, num_paid + paid)
+        self._on_trial.clear()
+        self._on_trial.extend(waiting)
 
     def _launched(self, chosen: Candidate, requests: Sequence[AcceptanceEstimate]) -> Candidate:
         """Remember what `chosen` is expected to accept, for `observe` to calibrate by."""

@@ -186,6 +186,28 @@ def test_cost_leaves_drafts_behind_only_when_requests_of_the_kind_would_not_pay(
     assert {policy.choose(1, LADDER, [stale], costs) for _ in range(400)} == {PLAIN}
 
 
+def test_cost_explores_new_requests_of_a_hopeless_kind_less_while_none_pays():
+    """New requests of a kind left behind are explored within a budget that shrinks while
+    their exploring rounds find none worth a tree, and stays whole while they do."""
+
+    def explored_requests(num_accepted: int) -> int:
+        book = AcceptanceBook(priors={False: 0.02}, num_observed={False: 10**6})
+        policy, costs, num_explored = CostPolicy(), _costs(GPU_COSTS), 0
+        for request in range(60):
+            for _ in range(100):  # each request: 100 rounds, one at a time
+                estimate = book.get(request, kind=False)
+                fresh = not estimate.num_speculative_rounds
+                chosen = policy.choose(1, LADDER, [estimate], costs)
+                book.observe(request, chosen.tree, num_accepted if chosen.tree else 0)
+                num_explored += fresh and chosen.tree is not None
+            book.forget(request)
+        return num_explored
+
+    never_pays = explored_requests(num_accepted=0)
+    always_pays = explored_requests(num_accepted=LADDER[-2].tree.depth)
+    assert 1 <= never_pays < always_pays / 3, (never_pays, always_pays)
+
+
 def test_cost_calibrates_a_sampled_tree_that_accepts_less_than_modelled():
     """Sampled trees whose rounds accept a fifth of what the model expects of them (as at
     temperature 1) make plain decoding win for the same estimates; top-k trees keep the
