@@ -9,7 +9,8 @@ A causal prompt chunk is the special case of a chain (`chain_ancestors`), a plai
 the case M = N = 1. This is written the natural way (boolean mask, concatenated K/V, SDPA);
 `runtime/passes` recognises the pattern after tracing and swaps in `rt::tree_attention`, so
 the [M, S + N] mask is never built on the fast path. Keep the pattern recognisable: change it
-and the pass together.
+and the pass together. Run eagerly on the CPU, it reads the slots' lengths and attends to the
+longest one's cache only, instead of the whole [0, S) buffer.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def tree_attention(
     Returns:
         [B, Hq, M, D] in q's dtype.
     """
+    if readable_on_host(cache_len):
+        # Eager on the CPU: attend to the longest slot's cache, not the whole buffer.
+        limit = int(cache_len.max())
+        k_cache, v_cache = k_cache[:, :, :limit], v_cache[:, :, :limit]
     num_queries = q.shape[2]
     cache_size = k_cache.shape[2]
     positions = torch.arange(cache_size, device=q.device)
@@ -89,4 +94,16 @@ def tree_attention(
     v = torch.cat([v_cache, v_tree], dim=2)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def readable_on_host(tensor: torch.Tensor) -> bool:
+    """Whether reading `tensor`'s values on the host is free and safe: a real CPU tensor
+    run eagerly (not traced by torch.compile / torch.export, nor a fake tensor of make_fx,
+    where a read would break the graph or bake the value into it). Eager CPU code may then
+    skip work a compiled or captured round must do for every value."""
+    return (
+        tensor.device.type == "cpu"
+        and type(tensor) is torch.Tensor
+        and not torch.compiler.is_compiling()
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.attention import readable_on_host
 from .config import SamplingParams
 from .rng import Site, exponential, gumbel, seed_halves
 
@@ -104,6 +105,8 @@ def draw_tokens(
     Returns:
         [B, ...] int64 token ids.
     """
+    if readable_on_host(sampling.temperature) and not bool((sampling.temperature > 0).any()):
+        return _chunked_argmax(logits)  # eager on the CPU, every row greedy: no noise to draw
     counter = _broadcast_counter(sampling, offset, logits)
     if sampling.filtered:
         return sample(target_probs(logits, sampling), sampling.seed, counter, site=Site.TARGET)

@@ -16,8 +16,9 @@ at Poisson arrival rates or fixed concurrencies (tools/serve_bench.py).
 
 `specrun bench generate`: `specrun generate` per speculation policy and without a draft, on
 the first built-in held-out prompts (tools/generate_bench.py; any device).
-`specrun bench hf`: Hugging Face transformers `generate` on a real model at batch 1, the
-comparison point for `specrun eval`'s speculative and plain numbers on the same prompts.
+`specrun bench hf`: Hugging Face transformers `generate` on a real model at batch 1 (GPU or
+CPU, bfloat16 or float32), the comparison point for `specrun eval`'s and `specrun bench
+generate`'s numbers on the same prompts.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hf.add_argument("--prompts", default="builtin:heldout", help="JSONL or builtin:NAME")
     hf.add_argument("--max-prompts", type=int, default=16)
     hf.add_argument("--max-new-tokens", type=int, default=256)
+    hf.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    hf.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     hf.add_argument("--json", default=None, help="also write the JSON line here")
     hf.set_defaults(func=run_hf)
     cold_start.register(subjects)
@@ -263,15 +266,24 @@ def format_kernel_table(point: dict) -> str:
 
 
 def run_hf(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        raise ValueError("bench hf needs a CUDA GPU")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda needs a CUDA GPU; use --device cpu")
     from ..models.default import default_model_dir
     from ..runtime.distill.data import read_prompts
     from .hf_bench import hf_generate_point
 
     prompts = read_prompts(args.prompts)[: args.max_prompts]
     model_dir = args.model or default_model_dir()
-    point = hf_generate_point(model_dir, prompts, max_new_tokens=args.max_new_tokens)
+    point = hf_generate_point(
+        model_dir,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        device=device,
+        dtype=getattr(torch, args.dtype),
+    )
     line = json.dumps(point | {"model": str(model_dir)} | _environment())
     print(line)
     if args.json:

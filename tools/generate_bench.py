@@ -36,6 +36,7 @@ def register(subjects: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--json", default=None, help="append one JSON line per setting here")
     parser.set_defaults(func=run)
 
@@ -61,7 +62,9 @@ def measure(
     draft = resolve_draft(args.model, False if setting == NO_DRAFT else None)
     policy = "fixed" if setting == NO_DRAFT else setting
     # The trees `specrun generate` uses: the head's own table over the default one.
-    config = EngineConfig(device=args.device, policy=policy, trees=default_trees(draft))
+    config = EngineConfig(
+        device=args.device, dtype=args.dtype, policy=policy, trees=default_trees(draft)
+    )
     engine = Engine.from_pretrained(args.model, draft=draft or False, config=config)
     engine.generate("Say hello.", SamplingParams(max_new_tokens=8))
     num_tokens, num_rounds, seconds = 0, 0, 0.0
@@ -77,6 +80,7 @@ def measure(
     row = {
         "setting": setting,
         "device": device,
+        "dtype": str(engine.config.resolved_dtype()).removeprefix("torch."),
         "num_prompts": len(prompts),
         "tokens": num_tokens,
         "seconds": round(seconds, 3),

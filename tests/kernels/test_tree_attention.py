@@ -135,6 +135,17 @@ def test_cpu_op_matches_model_reference(drawn, dtype, seed):
     assert relative_error(out, _model_ref(inputs)) < tol
 
 
+def test_eager_cpu_reference_reads_only_the_longest_slots_cache():
+    """Run eagerly on the CPU, the model's reference attends to [0, max cache_len) only: a
+    cache tail of NaN (never read) leaves the result as it is with a zero tail."""
+    case = Case(2, 4, 2, 3, 3, 16, 8)
+    inputs = make_inputs(case, dtype=torch.float32, cache_len=[5, 9])
+    want = _model_ref(inputs)
+    for name in ("k_cache", "v_cache"):
+        inputs[name][:, :, 9:] = float("nan")
+    torch.testing.assert_close(_model_ref(inputs), want, rtol=0, atol=0)
+
+
 def test_ref_fully_masked_row_is_zero():
     inputs = make_inputs(Case(1, 2, 1, 2, 3, 8, 8), dtype=torch.float64, cache_len=[0])
     inputs["anc"][0, 1] = 0
