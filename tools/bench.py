@@ -28,6 +28,7 @@ import datetime
 import json
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
@@ -102,17 +103,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     generate_bench.register(subjects)
 
 
-def _environment() -> dict:
-    import triton
-
+def _environment(device: str = "cuda") -> dict:
+    """Where a benchmark ran: the device's name (the CPU's model on the CPU) and versions."""
+    on_cuda = device.startswith("cuda")
     return {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name(device) if on_cuda else _cpu_name(),
+        "num_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": _triton_version(),
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["specrun", *sys.argv[1:]]),
     }
+
+
+def _cpu_name() -> str:
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "cpu"
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
@@ -284,7 +303,7 @@ def run_hf(args: argparse.Namespace) -> int:
         device=device,
         dtype=getattr(torch, args.dtype),
     )
-    line = json.dumps(point | {"model": str(model_dir)} | _environment())
+    line = json.dumps(point | {"model": str(model_dir)} | _environment(device))
     print(line)
     if args.json:
         with open(args.json, "w") as f:
