@@ -42,6 +42,7 @@ from .config import DraftConfig, LlamaConfig
 from .eagle import DraftHead, Eagle3Head, build_draft
 from .fused_linear import part_slices
 from .llama import Llama
+from .tensor_parallel import Sharding, build_sharded_llama, shard_slices
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +57,39 @@ def load_target(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     tap_layers: tuple[int, ...] | None = None,
+    sharding: Sharding | None = None,
 ) -> Llama:
     """A Llama from an HF model directory (config.json + safetensors or legacy .bin).
 
     Floating tensors are converted to `dtype`; everything lands on `device`. `tap_layers`
-    as in Llama (None: the EAGLE-3 defaults).
+    as in Llama (None: the EAGLE-3 defaults). With `sharding`, this rank's tensor-parallel
+    shard (models/tensor_parallel.py), reading only its block of each tensor.
     """
     directory = existing_dir(model_dir)
     config = LlamaConfig.from_json(directory)
     checkpoint = Checkpoint(directory)
     with torch.device("meta"):
         model = Llama(config, tap_layers=tap_layers)
+        expected = specs_of(model)
+        if sharding is not None:
+            model = build_sharded_llama(config, sharding, tap_layers=tap_layers)
     names = _rename(checkpoint.infos, prefixes=(TARGET_PREFIX,))
-    expected = specs_of(model)
     optional = {}
     if config.tie_word_embeddings:
         optional["lm_head.weight"] = expected.pop("lm_head.weight")
     found = {ours: checkpoint.infos[theirs] for ours, theirs in names.items()}
     check_tensors(found, expected, optional=optional, source=str(checkpoint.path))
-    _materialise(model, checkpoint, {n: names[n] for n in expected}, dtype=dtype, device=device)
+    blocks = None
+    if sharding is not None:
+        blocks = {n: shard_slices(n, spec.shape, sharding) for n, spec in expected.items()}
+    _materialise(
+        model,
+        checkpoint,
+        {n: names[n] for n in expected},
+        dtype=dtype,
+        device=device,
+        blocks=blocks,
+    )
     model.rotary.init_buffers(device)
     model.tie_weights()
     _check_materialised(model)
@@ -195,13 +210,19 @@ def _materialise(
     *,
     dtype: torch.dtype,
     device: torch.device | str,
+    blocks: Mapping[str, tuple[slice, ...]] | None = None,
 ) -> None:
-    """Read, convert and assign each tensor of `names` (ours -> checkpoint's) in turn; a part
-    of a fused projection (see models/fused_linear.py) is copied into its rows of the fused
-    parameter, allocated when its first part arrives."""
+    """Read, convert and assign each tensor of `names` (ours -> checkpoint's) in turn, or
+    with `blocks` (ours -> index) only that block of it; a part of a fused projection (see
+    models/fused_linear.py) is copied into its rows of the fused parameter, allocated when
+    its first part arrives."""
     ours_of = {theirs: ours for ours, theirs in names.items()}
     fused_parts = part_slices(model)
-    for theirs, tensor in checkpoint.tensors(names.values()):
+    if blocks is None:
+        reads = checkpoint.tensors(names.values())
+    else:
+        reads = checkpoint.slices({theirs: blocks[ours] for ours, theirs in names.items()})
+    for theirs, tensor in reads:
         target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
         tensor = tensor.to(device=device, dtype=target_dtype)
         ours = ours_of[theirs]

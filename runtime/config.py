@@ -234,6 +234,11 @@ class EngineConfig:
     continuous_batching: bool = True
     policy: str = "cost"
 
+    def __reduce__(self) -> tuple:
+        # Picklable for worker processes (the tree table is a read-only mapping proxy).
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return _engine_config, (fields | {"trees": dict(self.trees)},)
+
     def __post_init__(self) -> None:
         for name in ("device", "dtype"):
             if not isinstance(getattr(self, name), str):
@@ -304,6 +309,10 @@ class EngineConfig:
         if self.cuda_graphs and not on_cuda:
             raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs=False on CPU")
         return on_cuda if self.cuda_graphs is None else self.cuda_graphs
+
+
+def _engine_config(fields: dict) -> EngineConfig:
+    return EngineConfig(**fields)
 
 
 def _checked_buckets(buckets: object) -> tuple[int, ...]:

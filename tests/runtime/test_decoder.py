@@ -8,6 +8,7 @@ decoder token for token whatever the bucket, padding or history of the shared st
 from __future__ import annotations
 
 import gc
+import pickle
 
 import pytest
 import torch
@@ -279,3 +280,11 @@ def test_engine_config_tree_table_and_bucket_choice():
         EngineConfig(buckets=(1, 2), trees={2: None})
     with pytest.raises(ValueError, match="cuda_graphs"):
         EngineConfig(device="cpu", cuda_graphs=True).resolved_cuda_graphs()
+
+
+def test_engine_config_pickles_for_worker_processes():
+    config = EngineConfig(buckets=(1, 4), trees={1: TreeShape(4, 3, 10), 4: None}, policy="fixed")
+    again = pickle.loads(pickle.dumps(config))
+    assert again == config and again.tree_for(4) is None
+    with pytest.raises(TypeError):
+        again.trees[1] = None

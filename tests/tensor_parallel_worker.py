@@ -1,0 +1,71 @@
+"""Test helpers: one rank of a tensor-parallel forward, and of speculative decoding, on gloo
+(importable as `tensor_parallel_worker`, so that torch.multiprocessing can start them in
+child processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from specrun.models.checkpoint import Checkpoint
+from specrun.models.loading import load_draft, load_target
+from specrun.models.tensor_parallel import Sharding
+from specrun.runtime.config import EngineConfig, SamplingParams
+from specrun.runtime.decoder import Decoder
+from tiny_models import decode_tokens, prompt_logits
+
+
+def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, ids: list[int]) -> None:
+    """Load this rank's shard of `model_dir` (never a whole tensor: Checkpoint.tensors is
+    refused) and write its logits of `ids` and the checkpoint bytes it read to
+    `model_dir/rank{rank}.pt`."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    num_bytes = []
+    counted = Checkpoint._counted
+
+    def counting(self, tensor):
+        num_bytes.append(tensor.numel() * tensor.element_size())
+        return counted(self, tensor)
+
+    try:
+        with (
+            mock.patch.object(Checkpoint, "tensors", side_effect=AssertionError("whole read")),
+            mock.patch.object(Checkpoint, "_counted", counting),
+        ):
+            model = load_target(model_dir, dtype=torch.float64, sharding=Sharding(rank, world_size))
+        logits = prompt_logits(model, ids)
+        torch.save(
+            {"logits": logits, "num_bytes": sum(num_bytes)}, Path(model_dir) / f"rank{rank}.pt"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def decode_rank(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    model_dir: str,
+    head_dir: str,
+    config: EngineConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+) -> None:
+    """Greedy speculative decoding of `prompts` on this rank's shard with the replicated
+    head; writes the tokens to `model_dir/tokens{rank}.pt`."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        target = load_target(model_dir, dtype=torch.float64, sharding=Sharding(rank, world_size))
+        head = load_draft(head_dir, target=target)
+        params = SamplingParams(max_new_tokens=max_new_tokens)
+        tokens, _ = decode_tokens(Decoder(target, head, config), prompts, [params] * len(prompts))
+        torch.save(tokens, Path(model_dir) / f"tokens{rank}.pt")
+    finally:
+        dist.destroy_process_group()
