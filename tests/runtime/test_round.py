@@ -1,4 +1,5 @@
-"""A round is one host-sync-free graph: it traces with fullgraph=True and equals eager."""
+"""A round is one host-sync-free graph: it traces with fullgraph=True and equals eager (its
+report, tokens and lengths exactly; its caches up to float64 rounding)."""
 
 from __future__ import annotations
 
@@ -40,4 +41,6 @@ def test_round_traces_without_graph_breaks_and_matches_eager(kind, temperature):
                 assert bool((want[:, ReportColumns.NUM_ACCEPTED] > 0).any()), want
     assert torch.equal(compiled_state.output, eager_state.output)
     assert torch.equal(compiled_state.target.lengths, eager_state.target.lengths)
-    assert torch.equal(compiled_state.draft.k, eager_state.draft.k)
+    # Eager CPU attention reads only the slots' lengths of cache (models/attention.py), the
+    # traced graph the whole buffer under a mask: the same values up to float64 rounding.
+    torch.testing.assert_close(compiled_state.draft.k, eager_state.draft.k, rtol=1e-12, atol=1e-12)
