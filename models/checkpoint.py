@@ -87,8 +87,6 @@ class Checkpoint:
         self._bin_states = {s: _load_bin(s) for s in shards if s.suffix == ".bin"}
         self._file_of: dict[str, Path] = {}
         self.infos: dict[str, TensorInfo] = {}
-        # Bytes of tensor data handed out by `slices`.
-        self.num_bytes_read = 0
         for shard in shards:
             for name, info in self._read_header(shard).items():
                 if name in self.infos:
@@ -107,39 +105,35 @@ class Checkpoint:
             # safe_open handles are not iterable, hence .keys().
             return {name: _safetensors_info(f, name, shard) for name in f.keys()}  # noqa: SIM118
 
+    def tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, CPU tensor) for `names`, one at a time, one shard open at a time."""
+        return self._read(names, blocks=None)
+
     def slices(self, blocks: Mapping[str, tuple[slice, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, CPU tensor) for each name of `blocks`, only its block read: from a
         safetensors file the block's bytes alone (`get_slice`); a legacy .bin file is read
-        whole when opened. Adds the bytes yielded to `num_bytes_read`."""
-        by_file: dict[Path, list[str]] = {}
-        for name in blocks:
-            by_file.setdefault(self._file_of[name], []).append(name)
-        for shard, shard_names in by_file.items():
-            if shard in self._bin_states:
-                state = self._bin_states[shard]
-                for name in shard_names:
-                    yield name, self._counted(state[name][blocks[name]].clone())
-                continue
-            with _open_safetensors(shard, device="cpu") as f:
-                for name in shard_names:
-                    yield name, self._counted(f.get_slice(name)[blocks[name]])
+        whole when opened."""
+        return self._read(blocks, blocks=blocks)
 
-    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.num_bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
-
-    def tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, CPU tensor) for `names`, one at a time, one shard open at a time."""
+    def _read(
+        self, names: Iterable[str], *, blocks: Mapping[str, tuple[slice, ...]] | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self._file_of[name], []).append(name)
         for shard, shard_names in by_file.items():
             if shard in self._bin_states:
                 state = self._bin_states[shard]
-                yield from ((name, state[name]) for name in shard_names)
+                for name in shard_names:
+                    whole = state[name]
+                    yield name, whole if blocks is None else whole[blocks[name]].clone()
                 continue
             with _open_safetensors(shard, device="cpu") as f:
-                yield from ((name, f.get_tensor(name)) for name in shard_names)
+                for name in shard_names:
+                    if blocks is None:
+                        yield name, f.get_tensor(name)
+                    else:
+                        yield name, f.get_slice(name)[blocks[name]]
 
 
 def _find_weights(directory: Path) -> Path:

@@ -26,16 +26,17 @@ def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, ids: li
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     num_bytes = []
-    counted = Checkpoint._counted
+    slices = Checkpoint.slices
 
-    def counting(self, tensor):
-        num_bytes.append(tensor.numel() * tensor.element_size())
-        return counted(self, tensor)
+    def counting(self, blocks):
+        for name, tensor in slices(self, blocks):
+            num_bytes.append(tensor.numel() * tensor.element_size())
+            yield name, tensor
 
     try:
         with (
             mock.patch.object(Checkpoint, "tensors", side_effect=AssertionError("whole read")),
-            mock.patch.object(Checkpoint, "_counted", counting),
+            mock.patch.object(Checkpoint, "slices", counting),
         ):
             model = load_target(model_dir, dtype=torch.float64, sharding=Sharding(rank, world_size))
         logits = prompt_logits(model, ids)
