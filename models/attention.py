@@ -9,8 +9,9 @@ A causal prompt chunk is the special case of a chain (`chain_ancestors`), a plai
 the case M = N = 1. This is written the natural way (boolean mask, concatenated K/V, SDPA);
 `runtime/passes` recognises the pattern after tracing and swaps in `rt::tree_attention`, so
 the [M, S + N] mask is never built on the fast path. Keep the pattern recognisable: change it
-and the pass together. Run eagerly on the CPU, it reads the slots' lengths and attends to the
-longest one's cache only, instead of the whole [0, S) buffer.
+and the pass together. Run eagerly on the CPU, a forward builds the mask once for all its layers
+(`host_attention_mask`), reading the slots' lengths to attend to the longest one's cache only,
+instead of the whole [0, S) buffer.
 """
 
 from __future__ import annotations
@@ -57,6 +58,49 @@ def chain_ancestors(batch: int, length: int, device: torch.device | str) -> torc
     return pack_ancestor_mask(causal).expand(batch, length, -1)
 
 
+def attention_mask(
+    cache_len: torch.Tensor,
+    anc: torch.Tensor,
+    *,
+    num_queries: int,
+    cache_size: int,
+    num_tree_keys: int,
+) -> torch.Tensor:
+    """What each query sees of [committed cache | tree keys].
+
+    Args:
+        cache_len: [B] int, committed length per slot.
+        anc: [B, M, W] int64 ancestor bitmask over the tree keys.
+        num_queries: M.
+        cache_size: cache positions S the mask covers (the buffer's, or fewer).
+        num_tree_keys: tree keys N (side buffer + new nodes).
+    Returns:
+        [B, 1, M, S + N] bool, broadcast over heads.
+    """
+    positions = torch.arange(cache_size, device=anc.device)
+    prefix_mask = (positions[None, :] < cache_len[:, None])[:, None, :]
+    tree_mask = expand_ancestor_mask(anc, num_tree_keys)
+    return torch.cat([prefix_mask.expand(-1, num_queries, -1), tree_mask], dim=-1)[:, None]
+
+
+def host_attention_mask(
+    cache_len: torch.Tensor, anc: torch.Tensor, *, num_tree_keys: int
+) -> torch.Tensor | None:
+    """The mask of every layer of one eager CPU forward, built once and cut to the longest
+    slot's cache (`attention_mask` over [0, max(cache_len))); None where the values cannot
+    be read (`readable_on_host`), where each layer builds the full mask itself."""
+    if not readable_on_host(cache_len):
+        return None
+    longest = int(cache_len.max()) if cache_len.numel() else 0
+    return attention_mask(
+        cache_len,
+        anc,
+        num_queries=anc.shape[1],
+        cache_size=longest,
+        num_tree_keys=num_tree_keys,
+    )
+
+
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -67,6 +111,7 @@ def tree_attention(
     anc: torch.Tensor,
     *,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of tree queries over [committed cache | tree keys].
 
@@ -77,23 +122,27 @@ def tree_attention(
         k_tree, v_tree: [B, Hkv, N, D] tree keys/values (side buffer + new nodes).
         anc: [B, M, W] int64 ancestor bitmask over the N tree keys.
         scale: softmax scale, usually head_dim ** -0.5.
+        mask: [B, 1, M, S' + N] bool from `host_attention_mask`, shared by the layers of an
+            eager CPU forward (the cache is then read up to S'); None builds the whole mask
+            here, the form the compiler pass recognises.
     Returns:
         [B, Hq, M, D] in q's dtype.
     """
-    if readable_on_host(cache_len):
-        # Eager on the CPU: attend to the longest slot's cache, not the whole buffer.
-        limit = int(cache_len.max())
-        k_cache, v_cache = k_cache[:, :, :limit], v_cache[:, :, :limit]
-    num_queries = q.shape[2]
-    cache_size = k_cache.shape[2]
-    positions = torch.arange(cache_size, device=q.device)
-    prefix_mask = (positions[None, :] < cache_len[:, None])[:, None, :]
-    tree_mask = expand_ancestor_mask(anc, k_tree.shape[2])
-    mask = torch.cat([prefix_mask.expand(-1, num_queries, -1), tree_mask], dim=-1)
+    if mask is None:
+        mask = attention_mask(
+            cache_len,
+            anc,
+            num_queries=q.shape[2],
+            cache_size=k_cache.shape[2],
+            num_tree_keys=k_tree.shape[2],
+        )
+    else:
+        cache_size = mask.shape[-1] - k_tree.shape[2]
+        k_cache, v_cache = k_cache[:, :, :cache_size], v_cache[:, :, :cache_size]
     k = torch.cat([k_cache, k_tree], dim=2)
     v = torch.cat([v_cache, v_tree], dim=2)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 

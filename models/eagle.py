@@ -164,7 +164,7 @@ class FusedInputHead(DraftHead):
         """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache."""
         x = self.fc(torch.cat([self.embed(tokens), features], dim=-1))
         rope = self.rotary(positions, x.dtype)
-        return run_layers(self.layers, x, rope, attn)
+        return run_layers(self.layers, x, rope, attn.with_shared_mask())
 
 
 class Eagle1Head(FusedInputHead):

@@ -37,7 +37,11 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: [..., in_features] -> one [..., size] tensor per part (views of one output)."""
-        return super().forward(x).split(list(self.parts.values()), dim=-1)
+        return self.joint(x).split(list(self.parts.values()), dim=-1)
+
+    def joint(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features], the parts side by side."""
+        return super().forward(x)
 
     def part_names(self, prefix: str) -> dict[str, dict[str, slice]]:
         """{"weight"/"bias": {checkpoint name: rows}} for this module at `prefix` (its

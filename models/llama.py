@@ -11,6 +11,7 @@ each (FusedLinear) but are stored as the separate projections.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import tree_attention
+from .attention import host_attention_mask, tree_attention
 from .config import LlamaConfig
 from .fused_linear import FusedLinear, store_parts_separately
 
@@ -60,16 +61,18 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.config, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions: [B, T] int64. Returns cos, sin: [B, 1, T, head_dim] in `dtype`."""
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """positions: [B, T] int64. Returns cos and the signed sin (see apply_rope):
+        [B, 1, T, head_dim] in `dtype`."""
+        freqs = (positions[..., None].float() * self.inv_freq)[:, None]
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, D]; cos, sin: [B, 1, T, D]. Rotate-half convention (HF)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; cos, signed_sin: [B, 1, T, D] from RotaryEmbedding. The rotate-half
+    convention of HF, x * cos + cat([-x2, x1]) * sin, with the sign moved onto sin (exact: a
+    negation rounds nothing) so that the rotation is one roll."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class RMSNorm(nn.Module):
@@ -79,10 +82,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """x: [..., dim]. Normalised in float32 for half-precision inputs (rms_norm's
+        accumulation type) and rounded to x's dtype before the weight multiplies it, as HF
+        does."""
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class AttentionInputs:
     cache_len: [B] int64, committed length per slot.
     anc: [B, T, W] int64 ancestor bitmask over the tree keys (side buffer, then new tokens).
     k_side, v_side: optional [L, B, Hkv, N0, D] tree nodes of earlier steps of this round.
+    mask: optional [B, 1, T, S' + N0 + T] bool, every layer's mask (`with_shared_mask`).
     """
 
     k_cache: torch.Tensor
@@ -101,6 +105,15 @@ class AttentionInputs:
     anc: torch.Tensor
     k_side: torch.Tensor | None = None
     v_side: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    def with_shared_mask(self) -> AttentionInputs:
+        """These inputs with the mask built once for all layers where a forward runs eagerly
+        on the CPU (models/attention.py: host_attention_mask); elsewhere unchanged."""
+        num_side = 0 if self.k_side is None else self.k_side.shape[3]
+        num_tree_keys = num_side + self.anc.shape[1]
+        mask = host_attention_mask(self.cache_len, self.anc, num_tree_keys=num_tree_keys)
+        return self if mask is None else dataclasses.replace(self, mask=mask)
 
 
 class Attention(nn.Module):
@@ -127,11 +140,14 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, in]. Returns output [B, T, H] and this step's k, v: [B, Hkv, T, D]."""
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x)
-        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        num_rotated = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj.joint(x).view(B, T, num_rotated + self.num_kv_heads, self.head_dim)
+        qkv = qkv.transpose(1, 2)
+        # q and k rotate as one tensor: the same positions, half the element-wise calls.
+        q, k = apply_rope(qkv[:, :num_rotated], *rope).split(
+            [self.num_heads, self.num_kv_heads], dim=1
+        )
+        v = qkv[:, num_rotated:]
         k_tree, v_tree = k, v
         if attn.k_side is not None:
             k_tree = torch.cat([attn.k_side[layer], k], dim=2)
@@ -145,6 +161,7 @@ class Attention(nn.Module):
             v_tree,
             attn.anc,
             scale=self.head_dim**-0.5,
+            mask=attn.mask,
         )
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out), k, v
@@ -228,6 +245,7 @@ class Llama(nn.Module):
         """tokens, positions: [B, T] int64. See AttentionInputs for the rest."""
         x = self.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
+        attn = attn.with_shared_mask()
         entering: dict[int, torch.Tensor] = {}
         k_new, v_new = [], []
         for i, layer in enumerate(self.layers):

@@ -19,7 +19,7 @@ from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from triton_interpreter import assert_script_passes_under_interpreter
 
-from specrun.models.attention import pack_ancestor_mask
+from specrun.models.attention import host_attention_mask, pack_ancestor_mask
 from specrun.models.attention import tree_attention as model_tree_attention
 from specrun.runtime.kernels.tree_attention import (
     tree_attention,
@@ -135,15 +135,22 @@ def test_cpu_op_matches_model_reference(drawn, dtype, seed):
     assert relative_error(out, _model_ref(inputs)) < tol
 
 
-def test_eager_cpu_reference_reads_only_the_longest_slots_cache():
-    """Run eagerly on the CPU, the model's reference attends to [0, max cache_len) only: a
-    cache tail of NaN (never read) leaves the result as it is with a zero tail."""
+def test_host_mask_reads_only_the_longest_slots_cache():
+    """Eager on the CPU, a forward's shared mask (`host_attention_mask`) covers [0, max
+    cache_len) only: the result is the full mask's up to float64 rounding, and a cache tail of
+    NaN (never read)
+    leaves it as it is."""
     case = Case(2, 4, 2, 3, 3, 16, 8)
     inputs = make_inputs(case, dtype=torch.float32, cache_len=[5, 9])
     want = _model_ref(inputs)
     for name in ("k_cache", "v_cache"):
         inputs[name][:, :, 9:] = float("nan")
-    torch.testing.assert_close(_model_ref(inputs), want, rtol=0, atol=0)
+    scale = inputs.pop("scale")
+    args = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    mask = host_attention_mask(args["cache_len"], args["anc"], num_tree_keys=case.num_tree)
+    assert mask.shape == (2, 1, 3, 9 + case.num_tree)
+    got = model_tree_attention(**args, scale=scale, mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
 def test_ref_fully_masked_row_is_zero():
