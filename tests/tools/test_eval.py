@@ -261,3 +261,16 @@ def test_measure_returns_each_requests_stats_in_prompt_order(model_dir, tmp_path
     alone = [engine.generate(prompt, params)[0].stats for prompt in prompts]
     assert per_request == alone and len(set(per_request)) > 1
     assert sum(s.num_rounds for s in per_request) == stats.num_rounds
+
+
+def test_train_draft_answers_built_in_prompts_at_mixed_temperatures(model_dir, tmp_path, capsys):
+    argv = ["train-draft", "--model", str(model_dir), "--out", str(tmp_path / "head")]
+    argv += ["--prompts", "builtin:train-broad", "--max-prompts", "3", "--steps", "1"]
+    argv += ["--batch-size", "2", "--ttt-steps", "1", "--draft-vocab", "40", "--heldout", "0"]
+    argv += ["--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32"]
+    assert main([*argv, "--temperature", "1", "--response-temperatures", "0", "1"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main([*argv, "--response-temperatures", "0", "1"]) == 0
+    assert "temperatures [0.0, 1.0]" in capsys.readouterr().out
+    written = tmp_path / "head" / "checkpoint" / "sequences.jsonl"
+    assert len(written.read_text().splitlines()) == 3  # no chat template: no follow-ups
