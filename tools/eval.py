@@ -9,7 +9,10 @@ settings). Each point is one JSON line: mean accepted length
 speed-up, and where each side's time went (prefill, rounds on the GPU, the rest). A table
 follows on stdout; `--plot` also draws the histograms and the accepted length by tree shape
 (tools/eval_plot.py).
-Prompts are JSON lines {"prompt": text} or {"prompt_ids": [ids]}.
+Prompts are JSON lines {"prompt": text} or {"prompt_ids": [ids]}, or a built-in split
+("builtin:broad", ...). When prompts carry a "category", each point also holds the mean
+accepted length of each category, pooled over its requests' rounds like the overall one, and
+a second table gives them per point; prompts without a category count only in the totals.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from ..runtime.config import (
     default_trees,
     stochastic_trees,
 )
-from ..runtime.distill.data import read_prompts
+from ..runtime.distill.data import read_prompt_records
 from ..runtime.engine import Engine
-from ..runtime.stats import EngineStats
+from ..runtime.stats import EngineStats, RequestStats
 from ..runtime.tree import StaticTree, TreeShape
 from .eval_plot import check_plotting, plot_records, tree_label
 from .generate import add_compile_argument, add_tree_arguments, compile_choice, tree_shape
@@ -41,7 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("eval", help="acceptance and speed-up of a draft head")
     parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
     parser.add_argument("--draft", required=True, help="draft-head directory")
-    parser.add_argument("--prompts", required=True, help='JSONL of {"prompt": ...} lines')
+    parser.add_argument(
+        "--prompts", required=True,
+        help='JSONL of {"prompt": ...} lines (optionally "category"), or builtin:broad, '
+        "builtin:heldout, ...",
+    )  # fmt: skip
     parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument(
@@ -101,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
     shapes = _tree_shapes(args)
     if args.plot:
         check_plotting()
-    prompts = read_prompts(args.prompts)[: args.max_prompts]
+    records = read_prompt_records(args.prompts)[: args.max_prompts]
+    prompts = [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in records]
+    categories = [r.category for r in records]
     if min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes must be positive, got {args.batch_sizes}")
     batch_sizes = sorted(set(args.batch_sizes))
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = Engine.from_pretrained(args.model, draft=args.draft, config=config)
     model, tokenizer, head = loaded.model, loaded.tokenizer, loaded.head
     plain = Engine(model, tokenizer, config)
-    baselines = {(t, b): measure(plain, prompts, _params(args, t), b) for t, b in points}
+    baselines = {(t, b): measure(plain, prompts, _params(args, t), b)[0] for t, b in points}
     plain.close()
     records = []
     sides = [(shape, "fixed") for shape in shapes] + [(shapes[0], name) for name in args.policy]
@@ -129,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         side_config = dataclasses.replace(config, trees=trees, policy=policy)
         spec = Engine(model, tokenizer, side_config, head=head)
         for temperature, batch_size in points:
-            spec_stats = measure(spec, prompts, _params(args, temperature), batch_size)
+            spec_stats, per_request = measure(spec, prompts, _params(args, temperature), batch_size)
             record = point_record(
                 side_config.tree_for(batch_size),
                 temperature,
@@ -138,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
                 max(len(prompts), batch_size),
                 policy=policy,
             )
-            records.append({**record, "batch_size": batch_size})
+            by_category = category_fields(filled(categories, batch_size), per_request)
+            records.append({**record, "batch_size": batch_size, **by_category})
         spec.close()
     lines = [json.dumps(record) for record in records]
     for line in lines:
@@ -148,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_records(records, args.plot)
     print(format_table(records))
+    if any("accepted_length_by_category" in record for record in records):
+        print(format_category_table(records))
     return 0
 
 
@@ -177,11 +189,12 @@ def _params(args: argparse.Namespace, temperature: float) -> SamplingParams:
 
 def measure(
     engine: Engine, prompts: list, params: SamplingParams, batch_size: int = 1
-) -> EngineStats:
+) -> tuple[EngineStats, list[RequestStats]]:
     """Decode the prompts `batch_size` at a time (repeated to fill one batch if there are
-    fewer); returns the statistics of those requests only. The graphs (the rounds', and on
-    CUDA the prefills' of every prompt length) are prepared and one untimed request is made
-    first, so lazy initialisation is not charged to it."""
+    fewer: `filled`); returns the statistics of those requests only, and each request's own
+    in the order of `filled(prompts, batch_size)`. The graphs (the rounds', and on CUDA the
+    prefills' of every prompt length) are prepared and one untimed request is made first, so
+    lazy initialisation is not charged to it."""
     prompt_lengths = [len(engine.encode_prompt(prompt)) for prompt in prompts]
     engine.warmup(progress=False, prompt_lengths=prompt_lengths)
     engine.generate(prompts[0], _warmup_params(params))
@@ -189,12 +202,43 @@ def measure(
     side = "plain"
     if engine.head is not None:
         side = "{} tree {},{},{}".format(engine.config.policy, *_shape_of(engine))
-    repeated = (prompts * -(-batch_size // len(prompts)))[: max(len(prompts), batch_size)]
+    repeated = filled(prompts, batch_size)
     batches = [repeated[i : i + batch_size] for i in range(0, len(repeated), batch_size)]
     desc = f"{side} T={params.temperature:g} B={batch_size}"
+    per_request = []
     for batch in tqdm(batches, desc=desc, unit="batch"):
-        engine.generate(batch, params)
-    return _since(before, engine.stats())
+        per_request += [output.stats for output in engine.generate(batch, params)]
+    return _since(before, engine.stats()), per_request
+
+
+def filled(items: list, batch_size: int) -> list:
+    """`items`, repeated to fill one batch of `batch_size` if there are fewer."""
+    return (items * -(-batch_size // len(items)))[: max(len(items), batch_size)]
+
+
+def category_fields(
+    categories: list[str | None], per_request: list[RequestStats]
+) -> dict[str, dict[str, float | int]]:
+    """Per category (requests without one left out): the mean accepted length, pooled over
+    its requests' rounds as the overall mean is ((accepted draft tokens + rounds) / rounds),
+    its rounds and its requests. No fields when no request has a category."""
+    rounds: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    requests: dict[str, int] = {}
+    for category, stats in zip(categories, per_request, strict=True):
+        if category is None:
+            continue
+        rounds[category] = rounds.get(category, 0) + stats.num_rounds
+        tokens[category] = tokens.get(category, 0) + stats.num_accepted + stats.num_rounds
+        requests[category] = requests.get(category, 0) + 1
+    if not requests:
+        return {}
+    names = sorted(requests)
+    return {
+        "accepted_length_by_category": {c: tokens[c] / max(rounds[c], 1) for c in names},
+        "rounds_by_category": {c: rounds[c] for c in names},
+        "requests_by_category": {c: requests[c] for c in names},
+    }
 
 
 def _shape_of(engine: Engine) -> tuple[int, int, int]:
@@ -299,5 +343,22 @@ def format_table(records: list[dict]) -> str:
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
             f"{r['speedup']:>7.2f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
             f"{r['decode_speedup']:>14.2f}x"
+        )
+    return "\n".join(rows)
+
+
+def format_category_table(records: list[dict]) -> str:
+    """One row per point with categories, one column per category: mean accepted length."""
+    categorised = [r for r in records if "accepted_length_by_category" in r]
+    names = sorted({c for r in categorised for c in r["accepted_length_by_category"]})
+    width = max(10, *(len(name) for name in names))
+    header = f"{'tree':>18} {'temp':>6} {'batch':>5} " + " ".join(f"{n:>{width}}" for n in names)
+    rows = ["accepted length (tokens per round) by category", header, "-" * len(header)]
+    for r in categorised:
+        lengths = r["accepted_length_by_category"]
+        cells = [f"{lengths[n]:>{width}.2f}" if n in lengths else " " * width for n in names]
+        rows.append(
+            f"{tree_label(r):>18} {r['temperature']:>6.2f} {r.get('batch_size', 1):>5} "
+            + " ".join(cells)
         )
     return "\n".join(rows)

@@ -1,8 +1,10 @@
 """`specrun train-draft`: train an EAGLE draft head for a model by online self-distillation.
 
-The target answers the prompts (greedy, or sampled with --temperature), then trains the head
-on those sequences with the target running inside the loop (runtime/distill). The output
-directory is a draft head in the published layout: `specrun generate --draft OUT`.
+The target answers the prompts (greedy, sampled with --temperature, or a mix with
+--response-temperatures; prompts with a follow-up turn get a second answer over the first),
+then trains the head on those sequences with the target running inside the loop
+(runtime/distill). The output directory is a draft head in the published layout:
+`specrun generate --draft OUT`.
 """
 
 from __future__ import annotations
@@ -17,13 +19,9 @@ from ..models.default import default_model_dir
 from ..models.loading import load_target
 from ..models.tokenizer import Tokenizer
 from ..runtime.config import EngineConfig
-from ..runtime.distill.data import (
-    encode_prompts,
-    generate_sequences,
-    load_sequences,
-    read_prompts,
-)
-from ..runtime.distill.self_instruct import self_instruct_prompts
+from ..runtime.distill.broad_prompts import CATEGORIES
+from ..runtime.distill.data import generate_record_sequences, load_sequences, read_prompt_records
+from ..runtime.distill.self_instruct import self_instruct_records
 from ..runtime.distill.trainer import TrainConfig, checkpoint_sequences_path, train_draft
 
 logger = logging.getLogger(__name__)
@@ -37,8 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, help="output head directory")
     parser.add_argument("--kind", choices=DRAFT_KINDS, default="eagle3")
     parser.add_argument(
-        "--prompts", default=None, help='JSONL of {"prompt": ...} lines, or builtin:train'
-    )
+        "--prompts", default=None,
+        help='JSONL of {"prompt": ...} lines (optionally "category", "follow_up"), or a '
+        "built-in split: builtin:train, builtin:train-broad (eight categories, follow-ups)",
+    )  # fmt: skip
     parser.add_argument(
         "--sequences",
         nargs="+",
@@ -55,8 +55,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="add N prompts the model writes itself on vocabulary topics (broader data)",
     )
+    parser.add_argument(
+        "--self-instruct-categories", action="store_true",
+        help="deal the self-instruct topics to the eight prompt categories (writing, coding, "
+        "math, ...), each asked with its category's instruction",
+    )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256, help="response length")
-    parser.add_argument("--temperature", type=float, default=0.0, help="responses: 0 = greedy")
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="responses: 0 = greedy (the default)"
+    )
+    parser.add_argument(
+        "--response-temperatures", type=float, nargs="+", default=None, metavar="T",
+        help="answer prompt i at the (i mod n)-th of these temperatures: 0 1 answers half the "
+        "prompts greedily and half sampled, 0 0 1 a third sampled (instead of --temperature)",
+    )  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -153,29 +165,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def response_temperatures(args: argparse.Namespace) -> list[float]:
+    """The temperatures prompts are answered at, in turn: --response-temperatures, else
+    --temperature, else greedy."""
+    if args.response_temperatures is not None and args.temperature is not None:
+        raise ValueError("give --temperature or --response-temperatures, not both")
+    temperatures = args.response_temperatures or [args.temperature or 0.0]
+    if min(temperatures) < 0:
+        raise ValueError(f"response temperatures must be >= 0, got {temperatures}")
+    return temperatures
+
+
 def _self_distilled(args: argparse.Namespace, target, model_dir):
-    prompts = read_prompts(args.prompts)[: args.max_prompts]
+    temperatures = response_temperatures(args)
+    records = read_prompt_records(args.prompts)[: args.max_prompts]
     tokenizer = None
-    if args.self_instruct or any(isinstance(p, str) for p in prompts):
+    if args.self_instruct or any(isinstance(r.prompt, str) for r in records):
         tokenizer = Tokenizer.from_dir(model_dir)
     if args.self_instruct:
         print(f"writing {args.self_instruct} self-instruct prompts")
-        prompts += self_instruct_prompts(
+        records += self_instruct_records(
             target,
             tokenizer,
             num_prompts=args.self_instruct,
+            categories=CATEGORIES if args.self_instruct_categories else None,
             seed=args.seed,
             batch_size=args.generate_batch_size,
         )
-    encoded = encode_prompts(prompts, tokenizer, chat_template=not args.raw)
-    eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
-    print(f"generating responses to {len(encoded)} prompts (up to {args.max_new_tokens} tokens)")
-    return generate_sequences(
+    num_follow_ups = sum(r.follow_up is not None for r in records)
+    print(
+        f"generating responses to {len(records)} prompts and {num_follow_ups} follow-ups "
+        f"(up to {args.max_new_tokens} tokens, temperatures {temperatures})"
+    )
+    return generate_record_sequences(
         target,
-        encoded,
+        tokenizer,
+        records,
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
+        temperatures=temperatures,
         seed=args.seed,
         batch_size=args.generate_batch_size,
-        eos_token_ids=eos,
+        chat_template=not args.raw,
     )

@@ -1,6 +1,7 @@
 """Training draft heads by online distillation from their target (`specrun train-draft`).
 
-data.py     prompts, self-distilled responses, batches, the EAGLE-3 draft vocabulary
+prompts.py  built-in prompt splits (broad_prompts.py, train_broad_prompts.py: categorised)
+data.py     prompt files, self-distilled responses, batches, the EAGLE-3 draft vocabulary
 losses.py   the target pass, the training-time-test unroll and each head kind's loss
 trainer.py  TrainConfig, the training loop, held-out estimate, checkpoints
 """

@@ -7,7 +7,14 @@ CPU. Only token ids are stored; the target's hidden states, taps and
 logits are recomputed inside the training loop (see trainer.py), never dumped to disk.
 
 A prompts file is JSON lines, each {"prompt": "text"} (chat-templated when the tokenizer has a
-template) or {"prompt_ids": [ids...]} (used as is).
+template) or {"prompt_ids": [ids...]} (used as is), optionally with "category": "name" (kept
+for per-category evaluation) and, with "prompt", "follow_up": "text": a second user turn.
+
+Follow-ups are answered in a second pass: the target first answers every prompt; a prompt
+with a follow-up then becomes the conversation [user prompt, assistant first answer, user
+follow-up], chat-templated, and the target answers that too. Both answers are training
+sequences (the second's prompt holds the whole first turn). Without a chat template
+follow-ups are skipped.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from ...models.tokenizer import Tokenizer
 from ..config import EngineConfig, SamplingParams
 from ..decoder import Decoder
 from ..prefill import state_capacity
-from .prompts import builtin_prompts
+from .prompts import PromptRecord, builtin_prompt_records
 
 logger = logging.getLogger(__name__)
 
@@ -63,26 +70,42 @@ BUILTIN_PREFIX = "builtin:"
 
 def read_prompts(path: str | Path) -> list[Prompt]:
     """Prompts of a JSONL file ({"prompt": str} or {"prompt_ids": [int]} per line), or a
-    built-in split named "builtin:train" / "builtin:heldout" (see prompts.py)."""
+    built-in split named "builtin:NAME" (see prompts.py); categories and follow-ups dropped."""
+    return [_as_prompt(record.prompt) for record in read_prompt_records(path)]
+
+
+def read_prompt_records(path: str | Path) -> list[PromptRecord]:
+    """Prompts with their categories and follow-ups, from a JSONL file or "builtin:NAME"."""
     if str(path).startswith(BUILTIN_PREFIX):
-        return list(builtin_prompts(str(path)[len(BUILTIN_PREFIX) :]))
-    prompts: list[Prompt] = []
+        return builtin_prompt_records(str(path)[len(BUILTIN_PREFIX) :])
+    records: list[PromptRecord] = []
     with Path(path).open(encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "prompt_ids" in record:
-                prompts.append([int(t) for t in record["prompt_ids"]])
-            elif isinstance(record.get("prompt"), str):
-                prompts.append(record["prompt"])
-            else:
-                raise ValueError(
-                    f"{path}:{number}: expected {{'prompt': text}} or {{'prompt_ids': [ids]}}"
-                )
-    if not prompts:
+            if line.strip():
+                records.append(_prompt_record(json.loads(line), f"{path}:{number}"))
+    if not records:
         raise ValueError(f"{path} holds no prompts")
-    return prompts
+    return records
+
+
+def _prompt_record(record: dict, where: str) -> PromptRecord:
+    """One JSONL line as a PromptRecord; `where` names the file and line in errors."""
+    if "prompt_ids" in record:
+        prompt: str | tuple[int, ...] = tuple(int(t) for t in record["prompt_ids"])
+    elif isinstance(record.get("prompt"), str):
+        prompt = record["prompt"]
+    else:
+        raise ValueError(f"{where}: expected {{'prompt': text}} or {{'prompt_ids': [ids]}}")
+    category, follow_up = record.get("category"), record.get("follow_up")
+    if category is not None and not (isinstance(category, str) and category):
+        raise ValueError(f"{where}: 'category' must be a non-empty string, got {category!r}")
+    if follow_up is not None and not (isinstance(follow_up, str) and isinstance(prompt, str)):
+        raise ValueError(f"{where}: 'follow_up' must be text, and needs a text 'prompt'")
+    return PromptRecord(prompt, category, follow_up)
+
+
+def _as_prompt(prompt: str | tuple[int, ...]) -> Prompt:
+    return prompt if isinstance(prompt, str) else list(prompt)
 
 
 def encode_prompts(
@@ -110,7 +133,7 @@ def generate_sequences(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
+    temperature: float | Sequence[float] = 0.0,
     seed: int = 0,
     batch_size: int = 16,
     eos_token_ids: Sequence[int] = (),
@@ -119,8 +142,10 @@ def generate_sequences(
 
     Decoded plainly `batch_size` prompts at a time by one Decoder with that single bucket
     (the last, smaller chunk is padded), so a GPU compiles and captures one graph. Prompt i
-    samples with seed `seed + i`, whatever the batch size.
+    samples at `temperature` (one for all, or one per prompt) with seed `seed + i`, whatever
+    the batch size.
     """
+    temperatures = _per_prompt(temperature, len(prompts))
     longest = max((len(p) for p in prompts), default=1)
     capacity = state_capacity(longest, max_new_tokens, depth=0)
     config = EngineConfig(buckets=(batch_size,), max_seq_len=capacity)
@@ -131,7 +156,9 @@ def generate_sequences(
             chunk = [list(p) for p in prompts[start : start + batch_size]]
             params = [
                 SamplingParams(
-                    temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + start + i
+                    temperature=temperatures[start + i],
+                    max_new_tokens=max_new_tokens,
+                    seed=seed + start + i,
                 )
                 for i in range(len(chunk))
             ]
@@ -146,6 +173,70 @@ def generate_sequences(
     finally:
         decoder.close()
     return sequences
+
+
+def _per_prompt(temperature: float | Sequence[float], num_prompts: int) -> list[float]:
+    if isinstance(temperature, int | float):
+        return [float(temperature)] * num_prompts
+    if len(temperature) != num_prompts:
+        raise ValueError(f"{len(temperature)} temperatures for {num_prompts} prompts")
+    return [float(t) for t in temperature]
+
+
+def response_temperatures(num_prompts: int, temperatures: Sequence[float]) -> list[float]:
+    """Prompt i's response temperature: temperatures[i % len(temperatures)], so (0, 1)
+    answers every other prompt greedily and the rest sampled, and (0, 0, 1) a third sampled."""
+    if not temperatures or min(temperatures) < 0:
+        raise ValueError(f"response temperatures must be >= 0 and given, got {temperatures}")
+    return [float(temperatures[i % len(temperatures)]) for i in range(num_prompts)]
+
+
+def generate_record_sequences(
+    target: Llama,
+    tokenizer: Tokenizer | None,
+    records: Sequence[PromptRecord],
+    *,
+    max_new_tokens: int,
+    temperatures: Sequence[float] = (0.0,),
+    seed: int = 0,
+    batch_size: int = 16,
+    chat_template: bool = True,
+) -> list[TrainingSequence]:
+    """The target's answers to `records` (temperatures per response_temperatures), each
+    followed by its follow-up turn's answer when it has one (see the module docstring).
+
+    The follow-up pass samples prompt i's second answer at the same temperature as its first,
+    with seed `seed + len(records) + j` (j counting follow-ups), so no seed repeats."""
+    temps = response_temperatures(len(records), temperatures)
+    eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
+    options = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "eos_token_ids": eos}
+    encoded = encode_prompts([r.prompt for r in records], tokenizer, chat_template=chat_template)
+    first = generate_sequences(target, encoded, temperature=temps, seed=seed, **options)
+    asked = [i for i, r in enumerate(records) if r.follow_up is not None]
+    templated = chat_template and tokenizer is not None and tokenizer.has_chat_template
+    if asked and not templated:
+        logger.warning("%d follow-ups skipped: they need a chat template", len(asked))
+        asked = []
+    if not asked:
+        return first
+    conversations = [_conversation(tokenizer, records[i], first[i]) for i in asked]
+    second = generate_sequences(
+        target, conversations, temperature=[temps[i] for i in asked],
+        seed=seed + len(records), **options,
+    )  # fmt: skip
+    follow_ups = dict(zip(asked, second, strict=True))
+    return [s for i, seq in enumerate(first) for s in (seq, follow_ups.get(i)) if s is not None]
+
+
+def _conversation(tokenizer: Tokenizer, record: PromptRecord, answer: TrainingSequence):
+    """Token ids of [user prompt, assistant answer, user follow-up], chat-templated."""
+    text = tokenizer.decode(answer.token_ids[answer.num_prompt :], skip_special_tokens=True)
+    messages = [
+        {"role": "user", "content": record.prompt},
+        {"role": "assistant", "content": text.strip()},
+        {"role": "user", "content": record.follow_up},
+    ]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
 def save_sequences(sequences: Sequence[TrainingSequence], path: str | Path) -> None:

@@ -1,16 +1,27 @@
 """Built-in chat prompts for self-distillation and acceptance evaluation, made here.
 
 Prompts are composed from task templates and subjects, so no data set is downloaded and no
-public benchmark prompt is used. The "train" and "heldout" splits share no subject and no
-template: acceptance measured on "heldout" is on prompts unlike any the head was trained on.
+public benchmark prompt is used. Four splits:
+- "train" and "heldout" (here) share no subject and no template: acceptance measured on
+  "heldout" is on prompts unlike any the head was trained on, though in the same style;
+- "broad" (broad_prompts.py): a held-out set of eight categories of chat (writing, roleplay,
+  reasoning, math, coding, extraction, stem, humanities), in forms and on topics that no
+  training source uses;
+- "train-broad" (train_broad_prompts.py): training prompts over the same eight categories,
+  thousands of them, some with a follow-up turn.
 Composition is deterministic (a seeded shuffle), so a split is the same list everywhere.
+`builtin_prompt_records` gives each prompt with its category (None for "train" and
+"heldout"); `builtin_prompts` the texts only.
 """
 
 from __future__ import annotations
 
 import random
 
-SPLITS = ("train", "heldout")
+from .broad_prompts import BROAD, PromptRecord, broad_records
+from .train_broad_prompts import train_broad_records
+
+SPLITS = ("train", "heldout", "broad", "train-broad")
 
 _TRAIN_TEMPLATES = (
     "Explain {s} to a curious ten-year-old.",
@@ -199,10 +210,31 @@ _HELDOUT_SUBJECTS = (
 )
 
 
-def builtin_prompts(split: str, *, num_prompts: int | None = None, seed: int = 0) -> list[str]:
-    """The split's prompts (every template x subject), shuffled by `seed`, first num_prompts."""
+def builtin_prompt_records(
+    split: str, *, num_prompts: int | None = None, seed: int = 0
+) -> list[PromptRecord]:
+    """The split's prompts with their categories, shuffled by `seed`, first num_prompts."""
     if split not in SPLITS:
         raise ValueError(f"unknown prompt split {split!r}; use one of {SPLITS}")
+    if num_prompts is not None and num_prompts < 0:
+        raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
+    if split == "broad":
+        records = broad_records(seed=seed)
+    elif split == "train-broad":
+        records = train_broad_records(seed=seed)
+    else:
+        records = [PromptRecord(text) for text in _template_split(split, seed=seed)]
+    return records[:num_prompts] if num_prompts is not None else records
+
+
+def builtin_prompts(split: str, *, num_prompts: int | None = None, seed: int = 0) -> list[str]:
+    """The split's prompt texts, shuffled by `seed`, first num_prompts."""
+    records = builtin_prompt_records(split, num_prompts=num_prompts, seed=seed)
+    return [str(record.prompt) for record in records]
+
+
+def _template_split(split: str, *, seed: int) -> list[str]:
+    """ "train" or "heldout": every template x subject, shuffled by `seed`."""
     templates, subjects = (
         (_TRAIN_TEMPLATES, _TRAIN_SUBJECTS)
         if split == "train"
@@ -210,11 +242,12 @@ def builtin_prompts(split: str, *, num_prompts: int | None = None, seed: int = 0
     )
     prompts = [t.format(s=s) for t in templates for s in subjects]
     random.Random(seed).shuffle(prompts)
-    return prompts[:num_prompts] if num_prompts is not None else prompts
+    return prompts
 
 
 def heldout_words() -> frozenset[str]:
-    """Every lower-case word of the held-out templates and subjects, so prompt sources built
-    elsewhere (self_instruct.py) can stay clear of the evaluation split."""
-    text = " ".join((*_HELDOUT_TEMPLATES, *_HELDOUT_SUBJECTS)).lower()
+    """Every lower-case word of the held-out splits' templates and topics ("heldout" and
+    "broad"), so prompt sources built elsewhere (self_instruct.py) stay clear of them."""
+    broad = [text for entry in BROAD.values() for text in (*entry.templates, *entry.topics)]
+    text = " ".join((*_HELDOUT_TEMPLATES, *_HELDOUT_SUBJECTS, *broad)).lower()
     return frozenset("".join(c if c.isalpha() else " " for c in text).split())

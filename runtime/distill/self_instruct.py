@@ -7,6 +7,11 @@ vocabulary (tens of thousands for a BPE tokenizer), minus every word of the held
 the model is asked, through its chat template, for one question about each and samples one.
 The questions are decoded by the runtime's plain decoder (generate_sequences), so a GPU
 compiles one graph for them.
+
+With categories (`self_instruct_records(categories=...)`), topics are dealt to the categories
+in turn and each is asked with its category's instruction (CATEGORY_INSTRUCTIONS: a word
+problem with numbers for math, a small programming task for coding, a role to play, ...);
+every prompt then carries its category.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 from ...models.llama import Llama
 from ...models.tokenizer import Tokenizer
 from .data import encode_prompts, generate_sequences
-from .prompts import heldout_words
+from .prompts import PromptRecord, heldout_words
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +35,24 @@ INSTRUCTIONS = (
     "Write one request for advice about {topic}, as a user would type it to a chatbot. "
     "Reply with the request only.",
 )
+CATEGORY_INSTRUCTIONS = {
+    "writing": "Write one creative writing request about {topic} that a user might give an "
+    "AI assistant. Reply with the request only.",
+    "roleplay": "Write one request asking an AI assistant to play a character connected to "
+    "{topic}. Reply with the request only.",
+    "reasoning": "Write one logic puzzle or tricky reasoning question involving {topic}. "
+    "Reply with the puzzle only.",
+    "math": "Write one math word problem with specific numbers that involves {topic}. "
+    "Reply with the problem only.",
+    "coding": "Write one small programming task involving {topic}, as a user would ask an AI "
+    "assistant. Reply with the task only.",
+    "extraction": "Write one request that gives an AI assistant two sentences about {topic} "
+    "and asks it to pull out the names, dates or numbers in them. Reply with the request only.",
+    "stem": "Write one question a student might ask about a science or engineering idea "
+    "related to {topic}. Reply with the question only.",
+    "humanities": "Write one question about history, society, economics or philosophy "
+    "related to {topic}. Reply with the question only.",
+}
 MIN_TOPIC_LENGTH = 5
 WORD_STARTS = ("\u0120", "\u2581")  # byte-level BPE "Ġ", SentencePiece "▁"
 MIN_PROMPT_CHARS = 12
@@ -78,25 +101,51 @@ def self_instruct_prompts(
     """Up to `num_prompts` distinct prompts written by `target` (fewer only if the topics run
     out or the model keeps writing unusable lines), reproducible for a given seed.
 
-    Topics are vocabulary words not in the held-out split nor in `exclude`; each is paired
+    Topics are vocabulary words not in the held-out splits nor in `exclude`; each is paired
     with one of INSTRUCTIONS and the answer is sampled at `temperature`.
     """
+    records = self_instruct_records(
+        target, tokenizer, num_prompts=num_prompts, seed=seed, temperature=temperature,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, exclude=exclude,
+    )  # fmt: skip
+    return [str(record.prompt) for record in records]
+
+
+def self_instruct_records(
+    target: Llama,
+    tokenizer: Tokenizer,
+    *,
+    num_prompts: int,
+    categories: Sequence[str] | None = None,
+    seed: int = 0,
+    temperature: float = 0.8,
+    max_new_tokens: int = 48,
+    batch_size: int = 64,
+    exclude: Sequence[str] = (),
+) -> list[PromptRecord]:
+    """self_instruct_prompts as PromptRecords; with `categories` (names of
+    CATEGORY_INSTRUCTIONS), topic j asks for a prompt of categories[j % len(categories)]
+    and the record carries that category."""
     if num_prompts < 0:
         raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
+    if categories is not None and (not categories or set(categories) - set(CATEGORY_INSTRUCTIONS)):
+        raise ValueError(
+            f"categories must be some of {tuple(CATEGORY_INSTRUCTIONS)}, got {tuple(categories)}"
+        )
     topics = vocabulary_topics(tokenizer, exclude=heldout_words() | frozenset(exclude))
     if num_prompts and not topics:
         raise ValueError("the tokenizer has no whole-word tokens to use as topics")
     rng = random.Random(seed)
     rng.shuffle(topics)
-    prompts: list[str] = []
-    seen: set[str] = set()
+    records: dict[str, PromptRecord] = {}
     # A third more requests than prompts wanted: some lines come back unusable.
     step = max(1, num_prompts + num_prompts // 3)
     for start in range(0, len(topics), step):
-        if len(prompts) >= num_prompts:
+        if len(records) >= num_prompts:
             break
         chunk = topics[start : start + step]
-        asks = [rng.choice(INSTRUCTIONS).format(topic=topic) for topic in chunk]
+        kinds = [_category(categories, start + j) for j in range(len(chunk))]
+        asks = [_instruction(k, rng).format(topic=t) for k, t in zip(kinds, chunk, strict=True)]
         encoded = encode_prompts(asks, tokenizer)
         replies = generate_sequences(
             target,
@@ -107,11 +156,19 @@ def self_instruct_prompts(
             batch_size=batch_size,
             eos_token_ids=tokenizer.eos_token_ids,
         )
-        for reply in replies:
+        for kind, reply in zip(kinds, replies, strict=True):
             text = tokenizer.decode(reply.token_ids[reply.num_prompt :], skip_special_tokens=True)
             prompt = clean_prompt(text)
-            if prompt is not None and prompt not in seen:
-                seen.add(prompt)
-                prompts.append(prompt)
-        logger.info("self-instruct: %d/%d prompts", min(len(prompts), num_prompts), num_prompts)
-    return prompts[:num_prompts]
+            if prompt is not None and prompt not in records:
+                records[prompt] = PromptRecord(prompt, kind)
+        logger.info("self-instruct: %d/%d prompts", min(len(records), num_prompts), num_prompts)
+    return list(records.values())[:num_prompts]
+
+
+def _category(categories: Sequence[str] | None, index: int) -> str | None:
+    return None if categories is None else categories[index % len(categories)]
+
+
+def _instruction(category: str | None, rng: random.Random) -> str:
+    """The category's instruction, or (no category) one of INSTRUCTIONS drawn from `rng`."""
+    return rng.choice(INSTRUCTIONS) if category is None else CATEGORY_INSTRUCTIONS[category]

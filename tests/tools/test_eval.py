@@ -14,7 +14,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from specrun.models.loading import save_draft, save_target
 from specrun.runtime.config import DEFAULT_TREES, EngineConfig, SamplingParams
 from specrun.runtime.engine import Engine
+from specrun.runtime.stats import RequestStats
+from specrun.runtime.tree import TreeShape
 from specrun.tools.cli import main
+from specrun.tools.eval import category_fields, filled, measure
 from tiny_models import random_head, random_llama, tiny_config
 
 VOCAB = 97
@@ -206,3 +209,68 @@ def test_eval_policies_can_choose_among_the_default_trees(model_dir, prompts_fil
         ("fixed", 4): (3, 2, 5),
         **{("cost", b): (t.depth, t.topk, t.num_nodes) for b, t in default.items()},
     }
+
+
+def test_category_fields_pool_each_category_over_its_rounds():
+    per_request = [RequestStats(4, 6), RequestStats(2, 0), RequestStats(3, 3), RequestStats(5, 1)]
+    fields = category_fields(["math", None, "math", "coding"], per_request)
+    assert fields == {
+        "accepted_length_by_category": {"coding": 6 / 5, "math": (6 + 3 + 4 + 3) / (4 + 3)},
+        "rounds_by_category": {"coding": 5, "math": 7},
+        "requests_by_category": {"coding": 1, "math": 2},
+    }
+    assert category_fields([None, None], per_request[:2]) == {}
+    assert filled(["a", "b", "c"], 4) == ["a", "b", "c", "a"] and filled(["a"], 1) == ["a"]
+
+
+def test_eval_reports_accepted_length_per_category(model_dir, tmp_path, capsys):
+    """Categorised prompts: per-category lengths, rounds and requests in each point; pooled
+    together they are the point's own mean accepted length; a table per category follows."""
+    path = tmp_path / "categorised.jsonl"
+    lines = [{"prompt": "t5 t17 t3", "category": "math"}, {"prompt": "t60 t1", "category": "stem"}]
+    lines.append({"prompt_ids": [9, 41, 2, 77], "category": "math"})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    options = ["--temperatures", "0", "1", "--max-new-tokens", "8", "--ignore-eos"]
+    options += ["--trees", "3,2,5", "--batch-sizes", "1", "2"]
+    records = _eval_records(model_dir, path, tmp_path, *options)
+    points = [(r["temperature"], r["batch_size"]) for r in records]
+    assert points == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    for record in records:
+        assert record["requests_by_category"] == {"math": 2, "stem": 1}
+        lengths, rounds = record["accepted_length_by_category"], record["rounds_by_category"]
+        assert sum(rounds.values()) == sum(record["accepted_histogram"])
+        pooled = sum(lengths[c] * rounds[c] for c in rounds) / sum(rounds.values())
+        assert pooled == pytest.approx(record["mean_accepted_length"])
+    out = capsys.readouterr().out
+    assert "accepted length (tokens per round) by category" in out
+    assert out.count(" math ") == 1 and out.count(" stem") == 1
+
+
+def test_measure_returns_each_requests_stats_in_prompt_order(model_dir, tmp_path):
+    target = random_llama(tiny_config(), seed=0)
+    draft_dir = save_draft(random_head("eagle3", target, seed=1), tmp_path / "head")
+    config = EngineConfig(device="cpu", dtype="float32", buckets=(1,), compile=False,
+                          trees={1: TreeShape(3, 2, 5)})  # fmt: skip
+    engine = Engine.from_pretrained(model_dir, draft=draft_dir, config=config)
+    prompts = ["t5 t17 t3", [9, 41, 2, 77, 30, 30], "t60 t1"]
+    # The first prompt's fifth token stops every request, so requests run different rounds.
+    first = engine.generate(prompts[0], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True,
+                            stop_token_ids=(first[0].token_ids[4],))  # fmt: skip
+    stats, per_request = measure(engine, prompts, params)
+    alone = [engine.generate(prompt, params)[0].stats for prompt in prompts]
+    assert per_request == alone and len(set(per_request)) > 1
+    assert sum(s.num_rounds for s in per_request) == stats.num_rounds
+
+
+def test_train_draft_answers_built_in_prompts_at_mixed_temperatures(model_dir, tmp_path, capsys):
+    argv = ["train-draft", "--model", str(model_dir), "--out", str(tmp_path / "head")]
+    argv += ["--prompts", "builtin:train-broad", "--max-prompts", "3", "--steps", "1"]
+    argv += ["--batch-size", "2", "--ttt-steps", "1", "--draft-vocab", "40", "--heldout", "0"]
+    argv += ["--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32"]
+    assert main([*argv, "--temperature", "1", "--response-temperatures", "0", "1"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main([*argv, "--response-temperatures", "0", "1"]) == 0
+    assert "temperatures [0.0, 1.0]" in capsys.readouterr().out
+    written = tmp_path / "head" / "checkpoint" / "sequences.jsonl"
+    assert len(written.read_text().splitlines()) == 3  # no chat template: no follow-ups
