@@ -1,0 +1,103 @@
+"""A tensor-parallel Engine on the CPU: `EngineConfig(tensor_parallel=2)` starts a second rank
+process (gloo), whose decoder replays rank 0's commands; greedy outputs equal the
+single-process engine's token for token through admissions, chunked prefills, cancellations
+and moves under the `cost` policy (whose choices rank 0 alone makes), the rank process exits
+when the engine closes, and configurations that cannot run are refused before any process
+starts."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import multiprocessing
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from specrun.models.loading import save_draft, save_target
+from specrun.runtime import Engine, EngineConfig, SamplingParams
+from specrun.runtime.tree import TreeShape
+from tiny_models import random_head, random_llama, tiny_config
+
+CONFIG = EngineConfig(
+    device="cpu",
+    dtype="float32",
+    buckets=(1, 2, 4),
+    trees={1: TreeShape(3, 3, 8), 4: TreeShape(2, 2, 4)},
+    max_seq_len=128,
+    max_prefill_tokens=12,
+    policy="cost",
+)
+# Six requests for four slots: the last two wait and are admitted into the running batch;
+# the third (20 tokens, over max_prefill_tokens) is prefilled in chunks; the fourth outlives
+# the others, so its slot moves down once it decodes alone.
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], list(range(10, 30)), [40, 41], [50, 51, 52], [60]]
+PARAMS = [SamplingParams(max_new_tokens=n) for n in (12, 6, 10, 40, 8, 6)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny float32 target (4 heads, 2 KV heads, vocabulary 98) with a word-level
+    tokenizer, and a random EAGLE-3 head: (model dir, head dir)."""
+    out = tmp_path_factory.mktemp("tensor-parallel-engine")
+    config = tiny_config(vocab_size=98, num_heads=4, num_kv_heads=2)
+    target = random_llama(config, seed=5)
+    model_dir = save_target(target, out / "model")
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    head_dir = save_draft(random_head("eagle3", target, seed=6), out / "head")
+    return model_dir, head_dir
+
+
+def test_two_ranks_decode_the_single_process_engines_tokens(model_dirs):
+    model_dir, head_dir = model_dirs
+    with Engine.from_pretrained(model_dir, draft=head_dir, config=CONFIG) as single:
+        want = [out.token_ids for out in single.generate(PROMPTS, PARAMS)]
+
+    config = dataclasses.replace(CONFIG, tensor_parallel=2)
+    engine = Engine.from_pretrained(model_dir, draft=head_dir, config=config)
+    workers = list(engine._ranks.workers)
+    assert [w.is_alive() for w in workers] == [True]
+    # Count the commands rank 0 broadcasts.
+    commands, run = collections.Counter(), engine.decoder._run
+    engine.decoder._run = lambda name, *args, **kwargs: (
+        commands.update([name]) or run(name, *args, **kwargs)
+    )
+    try:
+        got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
+        assert got == want
+        # A request cancelled mid-stream releases its slot on both ranks.
+        stream = engine.stream([70, 71, 72], SamplingParams(max_new_tokens=60))
+        next(stream)
+        stream.close()
+        assert [out.token_ids for out in engine.generate(PROMPTS[:2], PARAMS[:2])] == want[:2]
+    finally:
+        engine.close()
+    for name in ("admit", "start_chunked_prefill", "prefill_chunk", "release", "move", "round"):
+        assert commands[name] > 0, (name, commands)
+    assert commands["close"] == 1
+    assert not any(w.is_alive() for w in workers)
+    assert not multiprocessing.active_children()
+    engine.close()  # closing again is harmless
+
+
+def test_configurations_that_cannot_run_are_refused_before_starting_ranks(model_dirs):
+    model_dir, head_dir = model_dirs
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineConfig(tensor_parallel=0)
+    with pytest.raises(TypeError, match="tensor_parallel must be an int"):
+        EngineConfig(tensor_parallel=2.0)
+    for tensor_parallel in (3, 4):  # 3 divides nothing; 4 does not divide 2 KV heads
+        config = dataclasses.replace(CONFIG, tensor_parallel=tensor_parallel)
+        with pytest.raises(ValueError, match=r"tensor_parallel=.*num_key_value_heads=2"):
+            Engine.from_pretrained(model_dir, draft=head_dir, config=config)
+    config = dataclasses.replace(CONFIG, tensor_parallel=2, device="cuda:1")
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        Engine.from_pretrained(model_dir, draft=head_dir, config=config)
+    with pytest.raises(ValueError, match="artifacts"):
+        Engine.from_pretrained(
+            model_dir, config=dataclasses.replace(CONFIG, tensor_parallel=2), artifacts=model_dir
+        )
+    assert not multiprocessing.active_children()
