@@ -10,8 +10,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import multiprocessing
+import socket
 
 import pytest
+import torch
+import torch.multiprocessing as mp
+from tensor_parallel_worker import engine_rank, torchrun_env
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from specrun.models.loading import save_draft, save_target
@@ -32,7 +36,7 @@ CONFIG = EngineConfig(
 # the third (20 tokens, over max_prefill_tokens) is prefilled in chunks; the fourth outlives
 # the others, so its slot moves down once it decodes alone.
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], list(range(10, 30)), [40, 41], [50, 51, 52], [60]]
-PARAMS = [SamplingParams(max_new_tokens=n) for n in (12, 6, 10, 40, 8, 6)]
+PARAMS = [SamplingParams(max_new_tokens=n) for n in (8, 4, 6, 24, 5, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +55,22 @@ def model_dirs(tmp_path_factory):
     return model_dir, head_dir
 
 
-def test_two_ranks_decode_the_single_process_engines_tokens(model_dirs):
+@pytest.fixture(scope="module")
+def want(model_dirs) -> list[list[int]]:
+    """The single-process engine's tokens of PROMPTS (one thread, as each rank has on a
+    2-core machine: a tiny model's rounds are many small ops, which threads only slow)."""
     model_dir, head_dir = model_dirs
-    with Engine.from_pretrained(model_dir, draft=head_dir, config=CONFIG) as single:
-        want = [out.token_ids for out in single.generate(PROMPTS, PARAMS)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Engine.from_pretrained(model_dir, draft=head_dir, config=CONFIG) as single:
+            return [out.token_ids for out in single.generate(PROMPTS, PARAMS)]
+    finally:
+        torch.set_num_threads(threads)
 
+
+def test_two_ranks_decode_the_single_process_engines_tokens(model_dirs, want):
+    model_dir, head_dir = model_dirs
     config = dataclasses.replace(CONFIG, tensor_parallel=2)
     engine = Engine.from_pretrained(model_dir, draft=head_dir, config=config)
     workers = list(engine._ranks.workers)
@@ -81,6 +96,37 @@ def test_two_ranks_decode_the_single_process_engines_tokens(model_dirs):
     assert not any(w.is_alive() for w in workers)
     assert not multiprocessing.active_children()
     engine.close()  # closing again is harmless
+
+
+def test_under_torchrun_every_rank_calls_from_pretrained_and_rank_0_gets_the_engine(
+    model_dirs, want, monkeypatch
+):
+    """Ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+    rank 0 is this process): rank 0's from_pretrained returns the engine, rank 1's serves it
+    and returns None once rank 0 has closed it."""
+    model_dir, head_dir = model_dirs
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in torchrun_env(0, 2, port).items():
+        monkeypatch.setenv(name, value)
+    config = dataclasses.replace(CONFIG, tensor_parallel=2)
+    result = model_dir / "rank1.pt"
+    follower = mp.get_context("spawn").Process(
+        target=engine_rank, args=(1, 2, port, str(model_dir), str(head_dir), config, str(result))
+    )
+    follower.start()
+    try:
+        engine = Engine.from_pretrained(model_dir, draft=head_dir, config=config)
+        assert engine._ranks.workers == []
+        with engine:
+            assert [out.token_ids for out in engine.generate(PROMPTS[:2], PARAMS[:2])] == want[:2]
+        follower.join(60)
+    finally:
+        follower.kill()
+    assert follower.exitcode == 0
+    assert torch.load(result) is None
+    assert not torch.distributed.is_initialized()
 
 
 def test_configurations_that_cannot_run_are_refused_before_starting_ranks(model_dirs):
