@@ -1,12 +1,14 @@
-"""Test helpers: one rank of a tensor-parallel forward, of speculative decoding, and of an
-Engine started as torchrun starts ranks, on gloo (importable as `tensor_parallel_worker`, so
-that torch.multiprocessing can start them in child processes).
+"""Test helpers: one rank of a tensor-parallel forward, of speculative decoding, and of a
+`specrun` command started as torchrun starts ranks, on gloo (importable as
+`tensor_parallel_worker`, so that torch.multiprocessing can start them in child processes).
 
 Each rank computes with one thread: the machine's cores are shared by the ranks, whose
 collectives wait for each other (oversubscribed, every wait lasts a time slice)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from pathlib import Path
 from unittest import mock
@@ -19,7 +21,7 @@ from specrun.models.loading import load_draft, load_target
 from specrun.models.tensor_parallel import Sharding
 from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
-from specrun.runtime.engine import Engine
+from specrun.tools import cli
 from tiny_models import decode_tokens, prompt_logits
 
 
@@ -90,18 +92,11 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def engine_rank(
-    rank: int,
-    world_size: int,
-    port: int,
-    model_dir: str,
-    head_dir: str,
-    config: EngineConfig,
-    result: str,
-) -> None:
-    """A rank other than 0 of a tensor-parallel Engine in torchrun's environment: calls
-    Engine.from_pretrained as every rank does, and saves what it returned (once rank 0 has
-    closed the engine) to `result`."""
+def cli_rank(rank: int, world_size: int, port: int, argv: list[str], result: str) -> None:
+    """A rank other than 0 of a `specrun` command in torchrun's environment: saves its exit
+    status and what it printed to `result`."""
     os.environ.update(torchrun_env(rank, world_size, port))
-    engine = Engine.from_pretrained(model_dir, draft=head_dir, config=config)
-    torch.save(engine, result)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = cli.main(argv)
+    torch.save((status, out.getvalue()), result)

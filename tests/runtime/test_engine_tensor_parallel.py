@@ -8,6 +8,7 @@ starts."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import multiprocessing
 import socket
@@ -15,12 +16,13 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tensor_parallel_worker import engine_rank, torchrun_env
+from tensor_parallel_worker import cli_rank, torchrun_env
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from specrun.models.loading import save_draft, save_target
 from specrun.runtime import Engine, EngineConfig, SamplingParams
 from specrun.runtime.tree import TreeShape
+from specrun.tools import cli
 from tiny_models import random_head, random_llama, tiny_config
 
 CONFIG = EngineConfig(
@@ -57,14 +59,20 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def want(model_dirs) -> list[list[int]]:
-    """The single-process engine's tokens of PROMPTS (one thread, as each rank has on a
-    2-core machine: a tiny model's rounds are many small ops, which threads only slow)."""
+    """The single-process engine's tokens of PROMPTS."""
     model_dir, head_dir = model_dirs
+    with one_thread(), Engine.from_pretrained(model_dir, draft=head_dir, config=CONFIG) as single:
+        return [out.token_ids for out in single.generate(PROMPTS, PARAMS)]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Compute with one thread, as each of two ranks does on a 2-core machine (a tiny
+    model's rounds are many small ops, which more threads only slow down)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with Engine.from_pretrained(model_dir, draft=head_dir, config=CONFIG) as single:
-            return [out.token_ids for out in single.generate(PROMPTS, PARAMS)]
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -98,34 +106,37 @@ def test_two_ranks_decode_the_single_process_engines_tokens(model_dirs, want):
     engine.close()  # closing again is harmless
 
 
-def test_under_torchrun_every_rank_calls_from_pretrained_and_rank_0_gets_the_engine(
-    model_dirs, want, monkeypatch
-):
-    """Ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
-    rank 0 is this process): rank 0's from_pretrained returns the engine, rank 1's serves it
-    and returns None once rank 0 has closed it."""
+def test_specrun_generate_under_torchrun(model_dirs, monkeypatch, capsys):
+    """`torchrun --nproc-per-node 2 ... specrun generate --tp 2` (rank 0 is this process,
+    rank 1 a process in torchrun's environment): every rank runs the command and calls
+    Engine.from_pretrained, rank 0 gets the engine and prints the single-process text, rank 1
+    serves it, returns None once rank 0 has closed it, and prints nothing."""
     model_dir, head_dir = model_dirs
+    argv = ["generate", "t5 t6 t7 t8", "--model", str(model_dir), "--draft", str(head_dir)]
+    argv += ["--device", "cpu", "--dtype", "float32", "--raw", "--max-new-tokens", "12"]
+    with one_thread():
+        assert cli.main(argv) == 0
+    single = capsys.readouterr().out
+    assert len(single.split()) == 12
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     for name, value in torchrun_env(0, 2, port).items():
         monkeypatch.setenv(name, value)
-    config = dataclasses.replace(CONFIG, tensor_parallel=2)
+    argv += ["--tp", "2"]
     result = model_dir / "rank1.pt"
     follower = mp.get_context("spawn").Process(
-        target=engine_rank, args=(1, 2, port, str(model_dir), str(head_dir), config, str(result))
+        target=cli_rank, args=(1, 2, port, argv, str(result))
     )
     follower.start()
     try:
-        engine = Engine.from_pretrained(model_dir, draft=head_dir, config=config)
-        assert engine._ranks.workers == []
-        with engine:
-            assert [out.token_ids for out in engine.generate(PROMPTS[:2], PARAMS[:2])] == want[:2]
+        assert cli.main(argv) == 0
         follower.join(60)
     finally:
         follower.kill()
+    assert capsys.readouterr().out == single
     assert follower.exitcode == 0
-    assert torch.load(result) is None
+    assert torch.load(result) == (0, "")
     assert not torch.distributed.is_initialized()
 
 
