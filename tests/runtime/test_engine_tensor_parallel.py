@@ -12,6 +12,10 @@ import contextlib
 import dataclasses
 import multiprocessing
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +142,43 @@ def test_specrun_generate_under_torchrun(model_dirs, monkeypatch, capsys):
     assert follower.exitcode == 0
     assert torch.load(result) == (0, "")
     assert not torch.distributed.is_initialized()
+
+
+# A process that starts a tensor-parallel engine, prints its rank process's pid and dies
+# without closing it.
+DYING_PARENT = """
+import os, sys
+from specrun.runtime import Engine, EngineConfig
+config = EngineConfig(device="cpu", dtype="float32", buckets=(1,), tensor_parallel=2)
+engine = Engine.from_pretrained(sys.argv[1], draft=sys.argv[2], config=config)
+print(engine._ranks.workers[0].pid, flush=True)
+os._exit(1)
+"""
+
+
+def test_the_rank_process_exits_when_the_engines_process_dies(model_dirs):
+    model_dir, head_dir = model_dirs
+    done = subprocess.run(
+        [sys.executable, "-c", DYING_PARENT, str(model_dir), str(head_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    pid = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 20
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
 
 
 def test_configurations_that_cannot_run_are_refused_before_starting_ranks(model_dirs):
