@@ -241,8 +241,8 @@ class ReplicatedDecoder:
         self._closed = True
         try:
             self._run("close")
-        except RuntimeError:
-            logger.exception("the other ranks could not be told to close")
+        except RuntimeError as e:  # a rank is gone: its connection is closed
+            logger.warning("the other ranks could not be told to close: %s", e)
             self._ops.close()
 
 
