@@ -139,7 +139,7 @@ def spawn_ranks(
             worker.start()
             workers.append(worker)
         _wait_until_ready(store, workers)
-        ranks = _init(0, world_size, device_type, store=store)
+        ranks = _init(0, world_size, device_type, local_rank=0, store=store)
     except BaseException:
         for worker in workers:
             worker.terminate()
@@ -161,9 +161,11 @@ def join_ranks(world_size: int, *, device_type: str) -> Ranks:
             f"but EngineConfig(tensor_parallel={world_size}); launch {world_size} processes "
             f"(torchrun --nproc-per-node {world_size}) or set tensor_parallel={found}"
         )
-    if initialised:
-        return _init(dist.get_rank(), world_size, device_type, store=None, owns_group=False)
-    return _init(int(os.environ["RANK"]), world_size, device_type, store=None)
+    rank = dist.get_rank() if initialised else int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return _init(
+        rank, world_size, device_type, local_rank=local_rank, store=None, owns_group=not initialised
+    )
 
 
 def _init(
@@ -171,14 +173,16 @@ def _init(
     world_size: int,
     device_type: str,
     *,
+    local_rank: int,
     store: dist.Store | None,
     owns_group: bool = True,
 ) -> Ranks:
-    """Initialise the default group (unless not `owns_group`) and the control group."""
+    """Initialise the default group (unless not `owns_group`: it is already) and the control
+    group; on CUDA this rank runs on cuda:`local_rank`."""
     device = torch.device("cpu")
     threads = None
     if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         for name, value in NCCL_ENV.items():
             os.environ.setdefault(name, value)
@@ -223,7 +227,7 @@ def _rank_main(
     _exit_with_parent(parent_pid)
     store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=START_TIMEOUT)
     store.set(_READY_KEY.format(rank=rank), "1")
-    ranks = _init(rank, world_size, device_type, store=store)
+    ranks = _init(rank, world_size, device_type, local_rank=rank, store=store)
     try:
         entry(ranks, *args)
     finally:

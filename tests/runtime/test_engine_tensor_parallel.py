@@ -1,9 +1,10 @@
 """A tensor-parallel Engine on the CPU: `EngineConfig(tensor_parallel=2)` starts a second rank
-process (gloo), whose decoder replays rank 0's commands; greedy outputs equal the
-single-process engine's token for token through admissions, chunked prefills, cancellations
-and moves under the `cost` policy (whose choices rank 0 alone makes), the rank process exits
-when the engine closes, and configurations that cannot run are refused before any process
-starts."""
+process (gloo), whose decoder replays rank 0's commands; after a warm-up that measures every
+round, greedy outputs equal the single-process engine's token for token through admissions,
+chunked prefills, cancellations and moves under the `cost` policy (whose choices rank 0 alone
+makes); under torchrun's environment `specrun generate --tp 2` prints what one process
+prints; the rank process exits when the engine closes or its process dies; configurations
+that cannot run are refused before any process starts."""
 
 from __future__ import annotations
 
@@ -93,6 +94,10 @@ def test_two_ranks_decode_the_single_process_engines_tokens(model_dirs, want):
         commands.update([name]) or run(name, *args, **kwargs)
     )
     try:
+        # Every rank prepares every round; rank 0's timings seed its cost table.
+        engine.warmup(progress=False)
+        planner = engine.decoder.planner
+        assert all(planner.costs.get(b, planner.variants(b)[0].cost_key) for b in CONFIG.buckets)
         got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
         assert got == want
         # A request cancelled mid-stream releases its slot on both ranks.
