@@ -45,8 +45,9 @@ from .round_plan import RoundVariant
 
 logger = logging.getLogger(__name__)
 
-# Decoder attributes rank 0's proxy reads from its own decoder: configuration and host state
-# that no device operation changes (the planner is rank 0's alone).
+# Decoder attributes rank 0's proxy reads from its own decoder: its configuration and rank
+# 0's host state (the planner, which only rank 0 consults; what is prepared), never changed
+# through the proxy.
 READABLE = frozenset(
     {
         "config", "device", "planner", "use_graphs", "compiled", "warmups", "max_depth",
@@ -129,6 +130,7 @@ class DecoderOps:
             chunked.slot = moved.get(chunked.slot, chunked.slot)
 
     def prepare(self, bucket: int, variant: RoundVariant | None, prefill: bool) -> BucketWarmup:
+        """Decoder.prepare."""
         return self.decoder.prepare(bucket, variant=variant, prefill=prefill)
 
     def warmup(
@@ -146,6 +148,7 @@ class DecoderOps:
         return cost_profile.measure(self.decoder, filtered=filtered)
 
     def close(self) -> None:
+        """Decoder.close, chunked prefills in progress dropped."""
         self.chunks.clear()
         self.decoder.close()
 
@@ -207,14 +210,17 @@ class ReplicatedDecoder:
         return self._run("prefill_chunk", key, max_tokens, slot)
 
     def release(self, bucket: int, slots: Sequence[int]) -> None:
+        """Decoder.release on every rank."""
         self._run("release", bucket, list(slots))
 
     def move(self, bucket: int, sources: Sequence[int], dests: Sequence[int]) -> None:
+        """Decoder.move on every rank."""
         self._run("move", bucket, list(sources), list(dests))
 
     def prepare(
         self, bucket: int, *, variant: RoundVariant | None = None, prefill: bool = True
     ) -> BucketWarmup:
+        """Decoder.prepare on every rank; rank 0's BucketWarmup."""
         return self._run("prepare", bucket, variant, prefill)
 
     def warmup(self, **options: Any) -> dict[tuple[int, RoundVariant], BucketWarmup]:
