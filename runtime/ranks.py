@@ -192,6 +192,9 @@ def _init(
     if owns_group:
         options = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
         dist.init_process_group(backend_for(device_type), **options)
+    if device_type == "cuda":
+        # NCCL starts its communicator at the first collective: here, not inside a capture.
+        dist.all_reduce(torch.zeros(1, device=device))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     logger.info("rank %d of %d on %s", rank, world_size, device)
     return Ranks(rank, world_size, device, control, owns_group=owns_group, _threads=threads)
