@@ -62,10 +62,11 @@ class AsyncEngine:
         draft: str | Path | bool | None = None,
         config: EngineConfig | None = None,
         artifacts: str | Path | None = None,
-    ) -> AsyncEngine:
-        return cls(
-            Engine.from_pretrained(model_dir, draft=draft, config=config, artifacts=artifacts)
-        )
+    ) -> AsyncEngine | None:
+        """Engine.from_pretrained's engine, driven from asyncio (None on the ranks other than
+        0 of a tensor-parallel engine under torchrun, once rank 0 has closed it)."""
+        engine = Engine.from_pretrained(model_dir, draft=draft, config=config, artifacts=artifacts)
+        return None if engine is None else cls(engine)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncRequest:
         """Queue one request (inside a running event loop). Raises ValueError/TypeError for a

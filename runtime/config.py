@@ -225,6 +225,9 @@ class EngineConfig:
         smaller ones, plain decoding; runtime/policy.py): "cost" (expected tokens per
         measured second), "fixed" (the bucket's tree, nothing else is built), "batch-table",
         "ema", "gammatune" or "dsde".
+    tensor_parallel: the number of ranks (processes, one GPU each on CUDA) the target is split
+        over (models/tensor_parallel.py; runtime/ranks.py starts them). Its attention heads, KV
+        heads, MLP width and vocabulary must divide by it; the draft head is replicated.
     """
 
     device: str = "auto"
@@ -243,6 +246,7 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     continuous_batching: bool = True
     policy: str = "cost"
+    tensor_parallel: int = 1
 
     def __reduce__(self) -> tuple:
         # Picklable for worker processes (the tree table is a read-only mapping proxy).
@@ -277,6 +281,12 @@ class EngineConfig:
             _check_int(name, getattr(self, name))
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        _check_int("tensor_parallel", self.tensor_parallel)
+        if self.tensor_parallel < 1:
+            raise ValueError(
+                f"tensor_parallel is the number of ranks the model is split over and must be at "
+                f"least 1 (1: one process, no splitting), got {self.tensor_parallel}"
+            )
         _check_int("prefill_graph_tokens", self.prefill_graph_tokens)
         if self.prefill_graph_tokens < 0:
             raise ValueError(

@@ -7,6 +7,11 @@ bucket without a head, decode plainly. Every request is validated here, before a
 queued, so a bad request is refused with a ValueError/TypeError that says what to change and
 never disturbs another. `submit`, `generate` and `stream` may be called from any number of
 threads: one loop thread (runtime/scheduler.py) runs every request on the device.
+
+With `EngineConfig(tensor_parallel=N)` the target is split over N ranks, one process each:
+`from_pretrained` starts ranks 1..N-1 itself (runtime/ranks.py), or, in processes a launcher
+such as torchrun started, joins them. The Engine lives on rank 0, whose decoder broadcasts
+every device operation to the other ranks (runtime/replicated.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,14 @@ from . import aot, cost_profile
 from .config import EngineConfig, SamplingParams, default_trees, validate_prompt_ids
 from .decoder import BucketWarmup, Decoder
 from .handle import Delta, Output, RequestHandle
+from .ranks import Ranks, join_ranks, launched_by_torchrun, spawn_ranks
+from .replicated import (
+    ReplicatedDecoder,
+    check_tensor_parallel,
+    follow_rank,
+    load_rank,
+    rank_config,
+)
 from .requests import check_requests
 from .round_plan import RoundVariant
 from .scheduler import Scheduler
@@ -39,7 +52,11 @@ Prompt = str | Sequence[int]
 
 class Engine:
     """Text in, text out. Build with `Engine.from_pretrained`; close with `close()` (or use
-    it as a context manager)."""
+    it as a context manager).
+
+    ranks: rank 0's place in a tensor-parallel run (`from_pretrained` passes it; `model` is
+        then rank 0's shard).
+    """
 
     def __init__(
         self,
@@ -48,15 +65,27 @@ class Engine:
         config: EngineConfig,
         *,
         head: DraftHead | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
+        if config.tensor_parallel > 1 and ranks is None:
+            raise ValueError(
+                "an Engine built from a model runs in one process; build a tensor-parallel "
+                "one with Engine.from_pretrained(..., config=EngineConfig(tensor_parallel=N))"
+            )
         self.model = model
         self.head = head
         self.tokenizer = tokenizer
         self.config = config
-        self.decoder = Decoder(model, head, config, eos_token_ids=tokenizer.eos_token_ids)
+        self._ranks = ranks
+        decoder = Decoder(model, head, config, eos_token_ids=tokenizer.eos_token_ids)
+        self.decoder = decoder if ranks is None else ReplicatedDecoder(decoder, ranks.control)
         # Whether the policy's round costs came from a profile or a warm-up measurement.
         self._profiled = False
-        self._load_cost_profile()
+        try:
+            self._load_cost_profile()
+        except BaseException:
+            self._close_ranks()
+            raise
         self._scheduler = Scheduler(
             self.decoder,
             tokenizer=tokenizer,
@@ -73,7 +102,7 @@ class Engine:
         draft: str | Path | bool | None = None,
         config: EngineConfig | None = None,
         artifacts: str | Path | None = None,
-    ) -> Engine:
+    ) -> Engine | None:
         """Load an HF Llama directory (None: the embedded SmolLM2-135M-Instruct) and an EAGLE
         draft head for speculative decoding.
 
@@ -86,6 +115,13 @@ class Engine:
         artifacts: a directory written by `specrun compile` for this model, head, config,
         torch and device (else ValueError: what differs, how to rebuild). Its compiled steps
         are loaded and every bucket is warmed up (and captured) from them before returning.
+
+        With `config.tensor_parallel` N > 1 the target is split over N ranks
+        (`_from_ranks`): this process becomes rank 0 and starts the others, unless a
+        launcher started every rank (torchrun: RANK and WORLD_SIZE set, or the default
+        process group initialised), in which case every rank calls `from_pretrained`, rank
+        0 gets the Engine and the others serve it from inside this call, returning None
+        once rank 0 closes the engine.
         """
         draft = resolve_draft(model_dir, draft)
         if config is not None and not isinstance(config, EngineConfig):
@@ -95,6 +131,9 @@ class Engine:
             config = aot.artifact_config(config)
         command = dict(model_dir=model_dir, draft=draft, config=config, out=artifacts)
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        if config.tensor_parallel > 1:
+            check_tensor_parallel(model_dir, config, artifacts=artifacts)
+            return cls._from_ranks(model_dir, draft, config)
         device, dtype = config.resolved_device(), config.resolved_dtype()
         started = time.perf_counter()
         model = load_target(model_dir, dtype=dtype, device=device)
@@ -110,6 +149,44 @@ class Engine:
                 )
                 engine._profiled = engine._profiled or covered
         return engine
+
+    @classmethod
+    def _from_ranks(
+        cls, model_dir: Path, draft: str | Path | None, config: EngineConfig
+    ) -> Engine | None:
+        """Start or join the ranks, load this rank's shard; rank 0 returns the Engine, the
+        others (under a launcher) follow rank 0's commands until it closes, then return
+        None."""
+        world_size, device_type = config.tensor_parallel, config.resolved_device().type
+        started = time.perf_counter()
+        if launched_by_torchrun():
+            ranks = join_ranks(world_size, device_type=device_type)
+        else:
+            args = (model_dir, draft, config)
+            ranks = spawn_ranks(world_size, device_type=device_type, entry=follow_rank, args=args)
+        try:
+            if ranks.rank != 0:
+                follow_rank(ranks, model_dir, draft, config)
+                ranks.close()
+                return None
+            local = rank_config(config, ranks)
+            model, head, tokenizer = load_rank(ranks, model_dir, draft, local)
+            logger.info(
+                "loaded rank 0 of %d of %s in %.1f s",
+                world_size,
+                model_dir,
+                time.perf_counter() - started,
+            )
+            return cls(model, tokenizer, local, head=head, ranks=ranks)
+        except BaseException:
+            ranks.close()
+            raise
+
+    def _close_ranks(self) -> None:
+        """Stop the other ranks (they close their decoders) and leave the process groups."""
+        if self._ranks is not None:
+            self.decoder.close()
+            self._ranks.close()
 
     def _load_cost_profile(self) -> None:
         """Seed the policy's round costs from `specrun tune`'s profile for this decoder, if
@@ -139,7 +216,10 @@ class Engine:
         built = self.decoder.warmup(**options)
         if self.decoder.planner.policy.adaptive and not self._profiled:
             # Without a profile the cost policy measures what it just prepared.
-            measured = cost_profile.measure(self.decoder, filtered=options["filtered"])
+            if self._ranks is not None:
+                measured = self.decoder.measure_costs(filtered=options["filtered"])
+            else:
+                measured = cost_profile.measure(self.decoder, filtered=options["filtered"])
             cost_profile.seed(self.decoder, measured)
             self._profiled = True
         return built
@@ -227,9 +307,12 @@ class Engine:
 
     def close(self) -> None:
         """Cancel every request, stop the loop, release graphs, caches and the models'
-        memory."""
+        memory; a tensor-parallel engine's other ranks close too and the processes it
+        started exit."""
         self._scheduler.close()
         self.decoder.close()
+        if self._ranks is not None:
+            self._ranks.close()
         self.model = None
         self.head = None
         if torch.cuda.is_available():

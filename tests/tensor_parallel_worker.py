@@ -1,9 +1,15 @@
-"""Test helpers: one rank of a tensor-parallel forward, and of speculative decoding, on gloo
-(importable as `tensor_parallel_worker`, so that torch.multiprocessing can start them in
-child processes)."""
+"""Test helpers: one rank of a tensor-parallel forward, of speculative decoding, and of a
+`specrun` command started as torchrun starts ranks, on gloo (importable as
+`tensor_parallel_worker`, so that torch.multiprocessing can start them in child processes).
+
+Each rank computes with one thread: the machine's cores are shared by the ranks, whose
+collectives wait for each other (oversubscribed, every wait lasts a time slice)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 from pathlib import Path
 from unittest import mock
 
@@ -15,6 +21,7 @@ from specrun.models.loading import load_draft, load_target
 from specrun.models.tensor_parallel import Sharding
 from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
+from specrun.tools import cli
 from tiny_models import decode_tokens, prompt_logits
 
 
@@ -22,6 +29,7 @@ def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, ids: li
     """Load this rank's shard of `model_dir` (never a whole tensor: Checkpoint.tensors is
     refused) and write its logits of `ids` and the checkpoint bytes it read to
     `model_dir/rank{rank}.pt`."""
+    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
@@ -59,6 +67,7 @@ def decode_rank(
 ) -> None:
     """Greedy speculative decoding of `prompts` on this rank's shard with the replicated
     head; writes the tokens to `model_dir/tokens{rank}.pt`."""
+    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
@@ -70,3 +79,24 @@ def decode_rank(
         torch.save(tokens, Path(model_dir) / f"tokens{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives one of `world_size` ranks on this host."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def cli_rank(rank: int, world_size: int, port: int, argv: list[str], result: str) -> None:
+    """A rank other than 0 of a `specrun` command in torchrun's environment: saves its exit
+    status and what it printed to `result`."""
+    os.environ.update(torchrun_env(rank, world_size, port))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = cli.main(argv)
+    torch.save((status, out.getvalue()), result)

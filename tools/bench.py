@@ -87,6 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--top-kernels", type=int, default=15,
         help="list this many of a round's costliest kernels per point (0: none)",
     )  # fmt: skip
+    decode.add_argument(
+        "--tp", type=int, default=1, metavar="N",
+        help="split the target over N GPUs (ranks started here; the head is replicated)",
+    )  # fmt: skip
     decode.add_argument("--json", default=None, help="write one JSON line per point here")
     decode.set_defaults(func=run_decode)
     hf = subjects.add_parser("hf", help="transformers generate at batch 1 on a real model")
@@ -192,23 +196,58 @@ def run_kernels(args: argparse.Namespace) -> int:
 def run_decode(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("bench decode needs a CUDA GPU")
+    if args.tp == 1:
+        return _decode_points(args, None)
+    from ..models.tensor_parallel import local_config
+    from ..runtime.ranks import spawn_ranks
+
+    if args.tp < 1 or torch.cuda.device_count() < args.tp:
+        raise ValueError(
+            f"--tp {args.tp} needs that many GPUs (>= 1), {torch.cuda.device_count()} visible"
+        )
+    local_config(SHAPES[args.shapes].target, args.tp)  # ValueError: what does not divide
+    ranks = spawn_ranks(args.tp, device_type="cuda", entry=_decode_rank, args=(args,))
+    try:
+        return _decode_points(args, ranks)
+    finally:
+        ranks.close()
+
+
+def _decode_rank(ranks, args: argparse.Namespace) -> None:
+    """A rank other than 0 of `bench decode --tp N`: the same rounds, nothing reported."""
+    _decode_points(args, ranks)
+
+
+def _decode_points(args: argparse.Namespace, ranks) -> int:
+    """Every point of `bench decode` on this rank (the whole model without `ranks`); rank 0
+    prints them."""
     from .decode_bench import bench_bucket, random_eagle3_head, random_target
     from .kernel_bench import copy_bandwidth
 
+    report = ranks is None or ranks.rank == 0
     shapes = SHAPES[args.shapes]
     draft_vocab = args.draft_vocab or shapes.draft_vocab_size
-    env = _environment() | {"model": f"{shapes.description}, random bf16 weights"}
-    bandwidth = copy_bandwidth()
+    split = f", split over {args.tp} GPUs (floor: one rank's)" if args.tp > 1 else ""
+    env = _environment() | {
+        "model": f"{shapes.description}, random bf16 weights{split}",
+        "tensor_parallel": args.tp,
+    }
+    bandwidth = copy_bandwidth() if report else 1.0
     env["copy_bandwidth_gbps"] = bandwidth / 1e9
-    print(json.dumps(env))
-    target = random_target(shapes.target, device="cuda", dtype=torch.bfloat16)
+    if report:
+        print(json.dumps(env))
+    # The same seed on every rank: replicated weights and the head agree.
+    torch.manual_seed(0)
+    sharding = None if ranks is None else ranks.sharding
+    device = "cuda" if ranks is None else ranks.device
+    target = random_target(shapes.target, device=device, dtype=torch.bfloat16, sharding=sharding)
     head = random_eagle3_head(target, draft_vocab_size=draft_vocab, dtype=torch.bfloat16)
     trees = {1: TreeShape(*args.tree)} if args.tree else DEFAULT_TREES
     if args.stochastic:
         trees = stochastic_trees(trees)
     table = EngineConfig(buckets=tuple(args.buckets), trees=trees)
     points = []
-    sink = open(args.json, "w") if args.json else None  # noqa: SIM115
+    sink = open(args.json, "w") if args.json and report else None  # noqa: SIM115
     try:
         for bucket in args.buckets:
             modes = [("plain", None), ("spec", table.tree_for(bucket))]
@@ -221,12 +260,14 @@ def run_decode(args: argparse.Namespace) -> int:
                     num_top_kernels=args.top_kernels, prompt_length=args.prompt_length,
                 )  # fmt: skip
                 points.append(point)
-                print(json.dumps(point | env), file=sink or sys.stdout, flush=True)
-                print(format_kernel_table(point), file=sys.stderr, flush=True)
+                if report:
+                    print(json.dumps(point | env), file=sink or sys.stdout, flush=True)
+                    print(format_kernel_table(point), file=sys.stderr, flush=True)
     finally:
         if sink:
             sink.close()
-    print(format_decode_table(points, accept_length=args.accept_length))
+    if report:
+        print(format_decode_table(points, accept_length=args.accept_length))
     return 0
 
 

@@ -18,6 +18,12 @@ prompt forward. Per point:
   summed time, and the costliest by name (what a launch-bound round spends its time on);
 - optionally, the prefill of a batch of random prompts through the decoder's public stream
   (the time to the first token once everything is compiled).
+
+With tensor parallelism (`--tp N`, tools/bench.py) every rank builds its own random shard
+(`random_target(sharding=...)`) after seeding the same generator, so the replicated weights
+and the draft head agree, and runs this same deterministic sequence of rounds (nothing here
+decides from a timing); rank 0 reports. The memory floor is then one rank's: its share of the
+weights and of the K/V.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 from ..models.config import DraftConfig, LlamaConfig
 from ..models.eagle import DraftHead, build_draft
 from ..models.llama import Llama
+from ..models.tensor_parallel import Sharding, build_sharded_llama
 from ..runtime.config import EngineConfig, SamplingParams
 from ..runtime.decoder import Decoder
 from ..runtime.graphs import CudaGraphRunner, compile_step
@@ -84,10 +91,17 @@ SHAPES = {
 }
 
 
-def random_target(config: LlamaConfig, *, device: str, dtype: torch.dtype) -> Llama:
-    """A Llama of `config`'s shapes with small random weights, built directly on `device`."""
+def random_target(
+    config: LlamaConfig,
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    sharding: Sharding | None = None,
+) -> Llama:
+    """A Llama of `config`'s shapes with small random weights, built directly on `device`;
+    with `sharding`, only that rank's tensor-parallel shard (models/tensor_parallel.py)."""
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(config) if sharding is None else build_sharded_llama(config, sharding)
     model.to_empty(device=device)
     _randomize(model, dtype)
     model.rotary.init_buffers(device)

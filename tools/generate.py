@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_tree_arguments(parser)
     add_policy_argument(parser)
     add_compile_argument(parser)
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -57,8 +58,11 @@ def run(args: argparse.Namespace) -> int:
         trees=trees,
         policy=args.policy,
         compile=compile_choice(args),
+        tensor_parallel=args.tp,
     )
     engine = Engine.from_pretrained(args.model, draft=draft, config=config)
+    if engine is None:
+        return 0  # a rank other than 0 under torchrun: rank 0 has generated and closed
     for delta in engine.stream(args.prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -101,6 +105,16 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
         "--no-compile", action="store_true",
         help="run the rounds eagerly instead of compiling them with Inductor (on CUDA still "
         "captured in CUDA graphs): starts in seconds instead of minutes, decodes slower",
+    )  # fmt: skip
+
+
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    """--tp: EngineConfig.tensor_parallel."""
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="N",
+        help="split the model over N ranks, one process and one GPU each (cuda:0..N-1; its "
+        "heads, KV heads, MLP width and vocabulary must divide by N); the other ranks are "
+        "started here, or, under `torchrun --nproc-per-node N`, join this one",
     )  # fmt: skip
 
 

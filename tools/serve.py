@@ -24,6 +24,7 @@ from .generate import (
     add_compile_argument,
     add_model_arguments,
     add_policy_argument,
+    add_tensor_parallel_argument,
     compile_choice,
     draft_dir,
 )
@@ -78,6 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     add_policy_argument(parser)
     add_compile_argument(parser)
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument(
@@ -121,6 +123,7 @@ def engine_config(args: argparse.Namespace, draft: str | Path | None) -> EngineC
         continuous_batching=not args.static_batches,
         policy=args.policy,
         compile=compile_choice(args),
+        tensor_parallel=args.tp,
     )
 
 
@@ -131,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.random_8b and (args.model or args.draft or args.artifacts):
         raise ValueError("--random-8b builds its own model; drop --model, --draft, --artifacts")
+    if args.random_8b and args.tp > 1:
+        raise ValueError("--random-8b runs in one process; drop --tp or serve a model directory")
     if args.tokenizer and not args.random_8b:
         raise ValueError("--tokenizer goes with --random-8b (a model directory has its own)")
     draft = None if args.random_8b else draft_dir(args)
@@ -143,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         engine = AsyncEngine.from_pretrained(
             args.model, draft=draft or False, config=config, artifacts=args.artifacts
         )
+        if engine is None:
+            return 0  # a rank other than 0 under torchrun: rank 0 served and closed
     if not args.no_warmup and config.resolved_device().type == "cuda":
         engine.engine.warmup(
             filtered=not args.skip_filtered,

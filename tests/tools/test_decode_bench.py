@@ -1,12 +1,17 @@
 """The host-side arithmetic of `specrun bench decode` (the benchmark itself needs a GPU): GPU
-idle time from kernel spans, and the per-round kernel table."""
+idle time from kernel spans, the per-round kernel table, and the random shard a
+tensor-parallel rank builds."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from specrun.models.tensor_parallel import Sharding
 from specrun.tools.bench import format_kernel_table
-from specrun.tools.decode_bench import KernelSpan, idle_fraction, kernel_table
+from specrun.tools.decode_bench import KernelSpan, idle_fraction, kernel_table, random_target
+from tiny_models import prompt_logits, tiny_config
 
 
 def _spans(*spans: tuple[str, float, float]) -> list[KernelSpan]:
@@ -35,3 +40,20 @@ def test_kernel_table_is_per_round_and_costliest_first():
     assert "prefill of 64 tokens: 3.50 ms" in format_kernel_table(
         point | {"prompt_length": 64, "prefill_ms": 3.5}
     )
+
+
+def test_a_random_shard_from_the_same_seed_is_the_random_model():
+    """`bench decode --tp N` ranks build their shards from one seed; over one rank (a gloo
+    group of this process alone) the shard is the whole model's weights, drawn alike."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        config = tiny_config(vocab_size=98)
+        torch.manual_seed(0)
+        shard = random_target(config, device="cpu", dtype=torch.float32, sharding=Sharding(0, 1))
+        torch.manual_seed(0)
+        whole = random_target(config, device="cpu", dtype=torch.float32)
+        assert type(shard.embed_tokens).__name__ == "VocabParallelEmbedding"
+        torch.testing.assert_close(prompt_logits(shard, [1, 2, 3]), prompt_logits(whole, [1, 2, 3]))
+    finally:
+        dist.destroy_process_group()

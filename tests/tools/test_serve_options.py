@@ -1,5 +1,5 @@
-"""`specrun serve` options into the engine config: per-bucket trees, static batching and eager
-rounds."""
+"""`specrun serve` options into the engine config: per-bucket trees, static batching, eager
+rounds and tensor parallelism."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def test_tree_at_replaces_the_table_from_its_bucket_up():
 
 def test_static_batches():
     assert not serve.engine_config(_args("--static-batches"), None).continuous_batching
+
+
+def test_tp_splits_the_model_and_not_the_random_8b_one():
+    assert serve.engine_config(_args("--tp", "2"), None).tensor_parallel == 2
+    assert serve.engine_config(_args(), None).tensor_parallel == 1
+    with pytest.raises(ValueError, match="--random-8b runs in one process"):
+        serve.run(_args("--random-8b", "--tp", "2"))
 
 
 def test_no_compile_runs_eager_rounds():
