@@ -174,14 +174,6 @@ def validate_prompt_ids(prompt: object, *, vocab_size: int, index: int = 0) -> l
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_has_native_bfloat16() -> bool:
-    """Whether this CPU has bfloat16 instructions (x86 AVX512-BF16 or AMX)."""
-    # torch.cpu's instruction-set probes are private (present in torch 2.11 to 2.13); a torch
-    # without them reads as no native support, i.e. float32.
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
-
-
 # The parameters of a slot that pads a batch up to its bucket: it asks for no tokens, so it is
 # done from the start.
 PADDING_PARAMS = SamplingParams(max_new_tokens=0)
@@ -192,9 +184,10 @@ class EngineConfig:
     """How the engine runs.
 
     device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
-    dtype: "auto" (bfloat16 on CUDA and on CPUs with native bfloat16 arithmetic, where
-        decoding reads half the bytes of float32 at no conversion cost; float32 on other
-        CPUs), "float32", "bfloat16" or "float16".
+    dtype: "auto" (bfloat16 on CUDA, float32 on the CPU), "float32", "bfloat16" or
+        "float16". On a CPU with bfloat16 instructions (AVX512-BF16, AMX) "bfloat16" decodes
+        faster, but oneDNN keeps memory for every prompt length it prefills (BENCHMARKS.md),
+        so it is not the default there.
     chat_template: wrap string prompts in the model's chat template as a user message.
     buckets: the batch sizes decoding is compiled and captured for; a batch pads up to the
         next bucket.
@@ -318,8 +311,7 @@ class EngineConfig:
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            native = self.resolved_device().type == "cuda" or cpu_has_native_bfloat16()
-            return torch.bfloat16 if native else torch.float32
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
     def resolved_compile(self) -> bool:

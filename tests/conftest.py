@@ -17,16 +17,6 @@ def smollm_dir(tmp_path_factory):
     return default_model_dir(root=tmp_path_factory.getbasetemp() / "specrun-cache")
 
 
-@pytest.fixture(autouse=True)
-def float32_auto_dtype_on_cpu(monkeypatch):
-    """EngineConfig(dtype="auto") means float32 on every CPU the suite runs on, as if it had
-    no native bfloat16, so exact comparisons do not depend on the machine's instruction set
-    (tests/runtime/test_config.py checks both sides)."""
-    from specrun.runtime import config
-
-    monkeypatch.setattr(config, "cpu_has_native_bfloat16", lambda: False)
-
-
 @pytest.fixture
 def uncached_compiles():
     """Fresh Dynamo state and no FX-graph / AOTAutograd cache hits, so passes run and count."""

@@ -118,16 +118,6 @@ def test_bad_config_is_refused():
         TreeShape(depth=1, topk=2, num_nodes=9)
 
 
-def test_auto_dtype_is_bfloat16_where_the_cpu_has_it_natively(monkeypatch):
-    from specrun.runtime import config
-
-    auto = EngineConfig(device="cpu")
-    assert auto.resolved_dtype() == torch.float32  # the suite's CPU (conftest)
-    monkeypatch.setattr(config, "cpu_has_native_bfloat16", lambda: True)
-    assert auto.resolved_dtype() == torch.bfloat16
-    assert EngineConfig(device="cpu", dtype="float32").resolved_dtype() == torch.float32
-
-
 def test_batches_above_the_largest_bucket_are_queued_or_refused(engine):
     params = SamplingParams(max_new_tokens=2)
     prompts = [[1, 2, 3 + i] for i in range(6)]
