@@ -19,6 +19,11 @@ draft's confidence and the KL divergence of its distribution from the target's
 (round.acceptance_signals); each request keeps their moving averages and the KL's variance
 (DSDE's stability signal).
 
+A draft head may ship what it accepted when it was measured (`MeasuredAcceptance`, the
+`accepted` entry of its trees.json): the engine's running means then start from it, weighted
+like `MEASURED_ROUNDS` rounds, instead of from PRIOR_ALPHA, so a kind of request the head
+drafts poorly for (sampling at temperature 1, say) is known to be from the first round.
+
 Costs are seconds per round, per (bucket, round variant): a moving average of the rounds the
 host has read (GPU time on CUDA), seeded from a measured profile when there is one.
 """
@@ -36,6 +41,8 @@ from .tree import StaticTree, TreeShape
 PRIOR_ALPHA = 0.6
 # Weight of one round in a request's running alpha.
 ALPHA_RATE = 0.3
+# How many rounds a head's measured acceptance counts as in the running mean of its kind.
+MEASURED_ROUNDS = 16
 # Weight of one speculative round in the running mean alpha of its kind of request, once the
 # mean has seen enough rounds (before: 1 / (rounds seen + 2), the prior one of them).
 PRIOR_RATE = 0.05
@@ -62,10 +69,46 @@ def expected_accepted(alpha: float, tree: TreeShape | StaticTree | None) -> floa
     return sum(level**d for d in range(1, tree.depth + 1))
 
 
+def alpha_for(accepted: float, tree: TreeShape | StaticTree) -> float:
+    """The chain acceptance whose expected accepted drafts per round of `tree` is `accepted`
+    (clamped to what the tree can accept; expected_accepted rises with alpha)."""
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_accepted(middle, tree) < accepted else (low, middle)
+    return (low + high) / 2
+
+
 def chain_acceptance(level: float, width: float) -> float:
     """Inverse of the level acceptance: the alpha that gives a level of `width` candidates
     acceptance `level`."""
     return 1.0 - (1.0 - level) ** (1.0 / width)
+
+
+@dataclass(frozen=True)
+class MeasuredAcceptance:
+    """What a draft head accepted with one tree when it was measured: tokens per round
+    (accepted drafts + 1) of greedy requests (the tree's top-k form) and of sampling ones
+    (its stochastic form), either None when not measured."""
+
+    tree: TreeShape
+    greedy: float | None = None
+    sampling: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("greedy", "sampling"):
+            value = getattr(self, name)
+            if value is not None and not 1.0 <= value <= self.tree.depth + 1:
+                raise ValueError(
+                    f"{name} must be tokens per round of the tree {self.tree}, between 1 and "
+                    f"{self.tree.depth + 1}, got {value}"
+                )
+
+    def priors(self) -> dict[bool, float]:
+        """The chain acceptance alpha by kind of request (True: greedy) that reproduces what
+        was measured."""
+        measured = {True: self.greedy, False: self.sampling}
+        return {kind: alpha_for(v - 1.0, self.tree) for kind, v in measured.items() if v}
 
 
 @dataclass
@@ -151,6 +194,15 @@ class AcceptanceBook:
     priors: dict[Hashable, float] = field(default_factory=dict)
     estimates: dict[Hashable, AcceptanceEstimate] = field(default_factory=dict)
     num_observed: dict[Hashable, int] = field(default_factory=dict)
+
+    @classmethod
+    def starting_from(cls, measured: MeasuredAcceptance | None) -> AcceptanceBook:
+        """A book whose running means start at what a head was measured to accept (counted
+        as MEASURED_ROUNDS rounds of each kind); an empty one for None."""
+        if measured is None:
+            return cls()
+        priors = measured.priors()
+        return cls(priors=priors, num_observed=dict.fromkeys(priors, MEASURED_ROUNDS))
 
     def prior(self, kind: Hashable = None) -> float:
         """The running mean alpha of the requests of `kind` (PRIOR_ALPHA before any)."""

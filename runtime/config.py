@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 import torch
 
+from .acceptance import MeasuredAcceptance
 from .tree import StaticTree, TreeShape
 
 # The batch-1 tree of the published EAGLE-3 Llama-3.1-8B results.
@@ -62,6 +63,39 @@ def default_trees(draft: str | Path | None = None) -> Mapping[int, TreeShape | S
             f"({type(e).__name__}: {e}); fix the file or remove it to use the default trees"
         ) from e
     return MappingProxyType({**DEFAULT_TREES, **trees})  # EngineConfig sorts its table
+
+
+def head_acceptance(draft: str | Path | None) -> MeasuredAcceptance | None:
+    """What the draft head accepted when it was measured, from the `accepted` entry of its
+    directory's `trees.json`: `{"tree": [DEPTH, TOPK, NUM_NODES], "greedy": TOKENS_PER_ROUND,
+    "sampling": TOKENS_PER_ROUND}` (either rate may be left out); None without one. The
+    adaptive policies start from it (runtime/acceptance.py)."""
+    path = Path(draft) / HEAD_TREES_FILE if draft is not None else None
+    if path is None or not path.is_file():
+        return None
+    entry = _read_json(path).get("accepted")
+    if entry is None:
+        return None
+    try:
+        return MeasuredAcceptance(
+            TreeShape(*entry["tree"]), greedy=entry.get("greedy"), sampling=entry.get("sampling")
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f'{path}: expected "accepted": {{"tree": [DEPTH, TOPK, NUM_NODES], "greedy": '
+            f'TOKENS_PER_ROUND, "sampling": TOKENS_PER_ROUND}} ({type(e).__name__}: {e}); fix '
+            "the entry or remove it"
+        ) from e
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not JSON ({e}); fix the file or remove it") from e
+    if not isinstance(found, dict):
+        raise ValueError(f"{path} must hold a JSON object; fix the file or remove it")
+    return found
 
 
 def stochastic_trees(

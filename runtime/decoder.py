@@ -27,7 +27,6 @@ from tqdm.auto import tqdm
 
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
-from .acceptance import AcceptanceBook
 from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner, compile_prefill, compile_round, compile_step
@@ -277,7 +276,7 @@ class Decoder:
         stats.prefill_seconds += time.perf_counter() - started
         tracker = SlotTracker(num_real)
         yield tracker.step(rows, stats, counts_round=False)
-        book = AcceptanceBook()
+        book = self.planner.new_book()
         lag = host_lag(self.device)
         while not tracker.all_done:
             while len(reader) <= lag:

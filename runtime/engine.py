@@ -29,7 +29,14 @@ from ..models.llama import Llama
 from ..models.loading import load_draft, load_target
 from ..models.tokenizer import Tokenizer
 from . import aot, cost_profile
-from .config import EngineConfig, SamplingParams, default_trees, validate_prompt_ids
+from .acceptance import MeasuredAcceptance
+from .config import (
+    EngineConfig,
+    SamplingParams,
+    default_trees,
+    head_acceptance,
+    validate_prompt_ids,
+)
 from .decoder import BucketWarmup, Decoder
 from .handle import Delta, Output, RequestHandle
 from .ranks import Ranks, join_ranks, launched_by_torchrun, spawn_ranks
@@ -56,6 +63,9 @@ class Engine:
 
     ranks: rank 0's place in a tensor-parallel run (`from_pretrained` passes it; `model` is
         then rank 0's shard).
+    acceptance: what `head` was measured to accept (`from_pretrained` reads it from the
+        head's trees.json: runtime/config.py, head_acceptance); the adaptive policies start
+        from it.
     """
 
     def __init__(
@@ -66,6 +76,7 @@ class Engine:
         *,
         head: DraftHead | None = None,
         ranks: Ranks | None = None,
+        acceptance: MeasuredAcceptance | None = None,
     ) -> None:
         if config.tensor_parallel > 1 and ranks is None:
             raise ValueError(
@@ -77,7 +88,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self._ranks = ranks
+        self.acceptance = acceptance if head is not None else None
         decoder = Decoder(model, head, config, eos_token_ids=tokenizer.eos_token_ids)
+        decoder.planner.measured = self.acceptance
         self.decoder = decoder if ranks is None else ReplicatedDecoder(decoder, ranks.control)
         # Whether the policy's round costs came from a profile or a warm-up measurement.
         self._profiled = False
@@ -139,7 +152,8 @@ class Engine:
         model = load_target(model_dir, dtype=dtype, device=device)
         head = load_draft(draft, target=model) if draft is not None else None
         logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - started)
-        engine = cls(model, Tokenizer.from_dir(model_dir), config, head=head)
+        tokenizer, acceptance = Tokenizer.from_dir(model_dir), head_acceptance(draft)
+        engine = cls(model, tokenizer, config, head=head, acceptance=acceptance)
         if artifacts is not None:
             rebuild = aot.compile_command(**command)
             aot.load_into(engine.decoder, artifacts, rebuild=rebuild)
@@ -177,7 +191,8 @@ class Engine:
                 model_dir,
                 time.perf_counter() - started,
             )
-            return cls(model, tokenizer, local, head=head, ranks=ranks)
+            acceptance = head_acceptance(draft)
+            return cls(model, tokenizer, local, head=head, ranks=ranks, acceptance=acceptance)
         except BaseException:
             ranks.close()
             raise

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .acceptance import AcceptanceEstimate, RoundCosts
+from .acceptance import AcceptanceBook, AcceptanceEstimate, MeasuredAcceptance, RoundCosts
 from .config import EngineConfig, SamplingParams
 from .policy import make_policy, tree_ladder
 from .sampling import needs_filtering
@@ -83,6 +83,8 @@ class RoundPlanner:
         self._has_head = has_head
         self.policy = make_policy(config.policy)
         self.costs = RoundCosts()
+        # What the head was measured to accept (Engine sets it from the head's trees.json).
+        self.measured: MeasuredAcceptance | None = None
         self._shapes = {bucket: self._ladder(bucket) for bucket in config.buckets}
         self.speculates = any(t is not None for shapes in self._shapes.values() for t in shapes)
         # Pending pairs are as wide as the deepest tree of any bucket: a slot that moves into
@@ -92,6 +94,11 @@ class RoundPlanner:
         # The most pending pairs any slot may hold after the rounds launched so far (a
         # prefill leaves 1, so admissions never raise it).
         self._max_pending = 1
+
+    def new_book(self) -> AcceptanceBook:
+        """The acceptance estimates of a run of requests, starting from what the head was
+        measured to accept."""
+        return AcceptanceBook.starting_from(self.measured)
 
     @property
     def num_shapes(self) -> int:

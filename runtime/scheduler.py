@@ -48,7 +48,6 @@ from typing import Any
 import torch
 
 from ..models.tokenizer import Tokenizer
-from .acceptance import AcceptanceBook
 from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, SamplingParams
 from .decoder import Decoder, settle_heap
@@ -108,7 +107,7 @@ class Scheduler:
         self._chunks: dict[RequestHandle, ChunkedPrefill] = {}
         self._bucket = decoder.config.buckets[0]
         self._reader = ReportReader(decoder.device)
-        self._acceptance = AcceptanceBook()
+        self._acceptance = decoder.planner.new_book()
         self._active_since: float | None = None
 
     # Any thread.

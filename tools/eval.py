@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     for shape, policy in sides:
         trees = _policy_trees(args) if policy != "fixed" and args.default_trees else {1: shape}
         side_config = dataclasses.replace(config, trees=trees, policy=policy)
-        spec = Engine(model, tokenizer, side_config, head=head)
+        spec = Engine(model, tokenizer, side_config, head=head, acceptance=loaded.acceptance)
         for temperature, batch_size in points:
             spec_stats, per_request = measure(spec, prompts, _params(args, temperature), batch_size)
             record = point_record(

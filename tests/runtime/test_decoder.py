@@ -15,13 +15,14 @@ import torch
 
 from specrun.models.default import default_head_dir
 from specrun.runtime import round as round_module
-from specrun.runtime.acceptance import AcceptanceEstimate
+from specrun.runtime.acceptance import AcceptanceEstimate, MeasuredAcceptance
 from specrun.runtime.config import (
     DEFAULT_TREES,
     HEAD_TREES_FILE,
     EngineConfig,
     SamplingParams,
     default_trees,
+    head_acceptance,
 )
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.policy import Policy
@@ -267,6 +268,31 @@ def test_a_head_directory_carries_its_trees(tmp_path):
         with pytest.raises(ValueError, match=r"trees\.json"):
             default_trees(tmp_path)
     assert default_trees(default_head_dir())[1] == TreeShape(6, 8, 40, stochastic=True)
+
+
+def test_a_head_directory_carries_what_it_accepted(tmp_path):
+    """trees.json's `accepted` entry is the head's measured acceptance; a directory without
+    one has none; a malformed entry is refused naming the file."""
+    assert head_acceptance(None) is None and head_acceptance(tmp_path) is None
+    (tmp_path / HEAD_TREES_FILE).write_text('{"trees": {"1": [5, 8, 32]}}')
+    assert head_acceptance(tmp_path) is None
+    (tmp_path / HEAD_TREES_FILE).write_text(
+        '{"accepted": {"tree": [5, 8, 32], "greedy": 3.5, "sampling": 1.8}}'
+    )
+    assert head_acceptance(tmp_path) == MeasuredAcceptance(TreeShape(5, 8, 32), 3.5, 1.8)
+    bad = [
+        "[1]",
+        '{"accepted": {"greedy": 3.5}}',
+        '{"accepted": {"tree": [5, 8], "greedy": 3.5}}',
+        '{"accepted": {"tree": [5, 8, 32], "greedy": 9.0}}',
+        '{"accepted": [5, 8, 32]}',
+    ]
+    for text in bad:
+        (tmp_path / HEAD_TREES_FILE).write_text(text)
+        with pytest.raises(ValueError, match=r"trees\.json"):
+            head_acceptance(tmp_path)
+    shipped = head_acceptance(default_head_dir())
+    assert shipped.tree == TreeShape(6, 8, 40) and shipped.greedy > shipped.sampling > 1
 
 
 def test_engine_config_tree_table_and_bucket_choice():

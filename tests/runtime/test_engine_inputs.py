@@ -10,7 +10,7 @@ import torch
 
 from specrun.models.default import default_head_dir
 from specrun.runtime import Engine, EngineConfig, SamplingParams
-from specrun.runtime.config import default_trees
+from specrun.runtime.config import default_trees, head_acceptance
 
 PROMPT = "What is 7 * 8?"
 PARAMS = SamplingParams(max_new_tokens=16)
@@ -34,6 +34,8 @@ def expected(default_engine) -> list[int]:
 def test_the_embedded_model_speculates_with_the_shipped_head_by_default(default_engine, expected):
     assert default_engine.head is not None
     assert dict(default_engine.config.trees) == dict(default_trees(default_head_dir()))
+    assert default_engine.acceptance == head_acceptance(default_head_dir()) is not None
+    assert default_engine.decoder.planner.new_book().priors.keys() == {True, False}
     plain = Engine(default_engine.model, default_engine.tokenizer, default_engine.config)
     assert plain.generate(PROMPT, PARAMS)[0].token_ids == expected
     stats = default_engine.stats()

@@ -13,7 +13,9 @@ import torch
 from specrun.runtime.acceptance import (
     AcceptanceBook,
     AcceptanceEstimate,
+    MeasuredAcceptance,
     RoundCosts,
+    alpha_for,
     chain_acceptance,
     expected_accepted,
     level_width,
@@ -69,6 +71,43 @@ def test_the_acceptance_model_is_monotone_and_inverts():
         level = 1 - (1 - alpha) ** 3
         assert chain_acceptance(level, 3) == pytest.approx(alpha)
     assert expected_accepted(1.0, DEEP) == DEEP.depth
+
+
+def test_a_measured_acceptance_is_what_its_priors_expect_of_its_tree():
+    """The alpha a head's measured tokens per round map to gives them back for that tree,
+    and rates a tree cannot reach are refused."""
+    for accepted in (0.0, 0.4, 2.5, 5.9):
+        assert expected_accepted(alpha_for(accepted, DEEP), DEEP) == pytest.approx(accepted)
+    measured = MeasuredAcceptance(DEEP, greedy=4.1, sampling=1.93)
+    priors = measured.priors()
+    assert expected_accepted(priors[True], DEEP) == pytest.approx(3.1)
+    assert expected_accepted(priors[False], DEEP) == pytest.approx(0.93)
+    assert MeasuredAcceptance(DEEP, sampling=1.5).priors().keys() == {False}
+    for rate in (0.5, DEEP.depth + 1.5):
+        with pytest.raises(ValueError, match="tokens per round"):
+            MeasuredAcceptance(DEEP, greedy=rate)
+
+
+def test_cost_decodes_plainly_from_the_first_round_for_a_kind_measured_hopeless():
+    """New sampling requests of a head measured to accept little at temperature 1 run bare
+    plain steps from their first round; without the measurement the generic prior sends
+    them through trees first."""
+    measured = MeasuredAcceptance(DEEP, sampling=1.3)
+
+    def tree_rounds(book: AcceptanceBook) -> tuple[int, tuple]:
+        policy, costs, num_trees = CostPolicy(), _costs(GPU_COSTS), 0
+        for round_index in range(20):
+            estimate = book.get(0, kind=False)
+            chosen = policy.choose(1, LADDER, [estimate], costs)
+            book.observe(0, chosen.tree, 0)
+            num_trees += chosen.tree is not None
+            if round_index == 0:
+                first = (chosen.tree, policy.leaves_draft_behind(1))
+        return num_trees, first
+
+    num_trees, first = tree_rounds(AcceptanceBook.starting_from(measured))
+    assert num_trees <= 1 and first == (None, True)
+    assert tree_rounds(AcceptanceBook.starting_from(None))[0] >= 3
 
 
 def test_estimates_follow_what_requests_accept():
