@@ -121,6 +121,16 @@ def collectives_rank(
         dist.destroy_process_group()
 
 
+def bench_decode_rank(ranks, args, shapes) -> None:
+    """A rank other than 0 of `bench decode` (tools/decode_cli.py) on the CPU, with `shapes`
+    known under `args.shapes` here too."""
+    from specrun.tools.decode_cli import decode_points
+    from specrun.tools.random_models import SHAPES
+
+    SHAPES[args.shapes] = shapes
+    decode_points(args, ranks)
+
+
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The environment torchrun gives one of `world_size` ranks on this host."""
     return {

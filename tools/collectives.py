@@ -12,7 +12,7 @@ else: captured in a CUDA graph and replayed like the round (`time_collectives`),
 the time the round spends in communication when nothing overlaps it.
 
 Every rank must record and replay together (the collectives meet). On the CPU (gloo) the
-recording and an eager replay run; the timing needs CUDA.
+recording and the replay run eagerly, timed on the host clock.
 """
 
 from __future__ import annotations
@@ -138,14 +138,18 @@ def time_collectives(
     collectives: Sequence[Collective], *, device: torch.device | str, num_rounds: int
 ) -> float:
     """Mean seconds of the collectives alone, captured in one CUDA graph and replayed
-    `num_rounds` times back to back (`time_replays`); 0 without collectives. Every rank calls
-    it with the same collectives."""
+    `num_rounds` times back to back (`time_replays`; on the CPU, eager calls); 0 without
+    collectives. Every rank calls it with the same collectives."""
     if not collectives:
         return 0.0
+    replay = CollectiveReplay(collectives, device=device)
+    if torch.device(device).type != "cuda":
+        with torch.inference_mode():
+            return time_replays(replay, num_rounds=num_rounds, device=device)
     runner = CudaGraphRunner(device)
     try:
         with torch.inference_mode():
-            runner.capture("collectives", CollectiveReplay(collectives, device=device))
+            runner.capture("collectives", replay)
         return time_replays(lambda: runner.replay("collectives"), num_rounds=num_rounds)
     finally:
         runner.close()

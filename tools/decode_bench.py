@@ -93,6 +93,7 @@ def bench_bucket(
     compile: bool = True,
     profile_rounds: int | None = None,
     collectives: bool = False,
+    draft_split: bool = True,
     num_top_kernels: int = 0,
     prompt_length: int = 0,
 ) -> dict:
@@ -103,16 +104,21 @@ def bench_bucket(
         0: no profile), with `num_top_kernels` of the costliest kernels listed.
     collectives: also record the round's collectives and time them alone
         (tools/collectives.py; tensor parallelism: every rank calls this alike).
+    draft_split: also time a speculative round's draft phase alone (compiled or eager, and
+        captured, on its own: compiled, a second compilation), hence its verify phase.
     prompt_length: also time the prefill of prompts that long (`prefill_ms`).
-    Rounds are greedy, a stochastic tree's sampled (temperature 1)."""
+    Rounds are greedy, a stochastic tree's sampled (temperature 1). On the CPU (tests) the
+    rounds run eagerly without graphs, timed on the host clock, and nothing is profiled."""
     depth = 0 if tree is None else tree.depth
+    device = target.lm_head.weight.device
+    on_cuda = device.type == "cuda"
     config = EngineConfig(
-        device="cuda",
+        device=str(device),
         buckets=(bucket,),
         trees={bucket: tree},
         max_seq_len=context + (3 * num_rounds + 8) * (depth + 1),
         compile=compile,
-        cuda_graphs=True,
+        cuda_graphs=on_cuda,
         policy="fixed",
     )
     head = head if tree is not None else None
@@ -128,6 +134,7 @@ def bench_bucket(
     variant = decoder.planner.variant_for(bucket, [SamplingParams(temperature=float(stochastic))])
     warmup = decoder.prepare(bucket, variant=variant, prefill=False)
     run = decoder.round_runner(bucket, variant=variant)
+    run = run if on_cuda else _eager(run)
     point = {
         "bucket": bucket,
         "mode": "plain" if tree is None else "speculative",
@@ -139,8 +146,9 @@ def bench_bucket(
         "graph_pool_mib": warmup.pool_bytes / 2**20,
     }
     refill()
-    point["round_ms"] = time_replays(run, num_rounds=num_rounds) * 1e3
+    point["round_ms"] = time_replays(run, num_rounds=num_rounds, device=device) * 1e3
     profile_rounds = num_rounds if profile_rounds is None else profile_rounds
+    profile_rounds = profile_rounds if on_cuda else 0
     point |= _profile(run, refill, num_rounds=profile_rounds, num_top_kernels=num_top_kernels)
     point |= _collective_fields(decoder, bucket, variant, context, collectives, num_rounds)
     point["collectives_share"] = point["collectives_ms"] / point["round_ms"]
@@ -151,12 +159,14 @@ def bench_bucket(
         point["floor_fraction"] = point["floor_ms"] / point["round_ms"]
         point["weight_floor_ms"] = point["weight_read_ms"] + point["collectives_ms"]
         point["weight_floor_fraction"] = point["weight_floor_ms"] / point["round_ms"]
-    else:
+    elif draft_split:
         refill()
         point["draft_ms"] = _draft_phase_ms(
             head, state, tree, num_rounds=num_rounds, compile=compile
         )
         point["verify_ms"] = point["round_ms"] - point["draft_ms"]
+    else:
+        point["draft_ms"] = point["verify_ms"] = None
     if prompt_length:
         point["prompt_length"] = prompt_length
         point["prefill_ms"] = prefill_ms(decoder, bucket, prompt_length=prompt_length)
@@ -254,9 +264,13 @@ def prefill_ms(decoder: Decoder, bucket: int, *, prompt_length: int, num_runs: i
 def _draft_phase_ms(
     head: DraftHead, state: SpecState, tree: TreeShape, *, num_rounds: int, compile: bool
 ) -> float:
-    """The draft phase of a round alone, compiled (or eager) and captured like the round."""
+    """The draft phase of a round alone, compiled (or eager) and captured like the round (on
+    the CPU: eager calls)."""
     step = compile_step(draft_phase, name="draft_phase") if compile else _eager(draft_phase)
-    runner = CudaGraphRunner("cuda")
+    device = state.root.device
+    if device.type != "cuda":
+        return time_replays(lambda: step(head, state, tree), num_rounds=num_rounds, device=device)
+    runner = CudaGraphRunner(device)
     runner.capture("draft", lambda: step(head, state, tree))
     try:
         return time_replays(lambda: runner.replay("draft"), num_rounds=num_rounds) * 1e3
@@ -265,7 +279,7 @@ def _draft_phase_ms(
 
 
 def _eager(fn):
-    """`fn` under inference mode, as a compiled step runs."""
+    """`fn` under inference mode, as a compiled step (and a captured graph's warm-up) runs."""
 
     @functools.wraps(fn)
     def step(*args, **kwargs):

@@ -7,6 +7,9 @@ same points, and rank 0 prints. Each point is one JSON line (with where it ran);
 per bucket (plain step against the floor, the speculative round against the plain step), a
 table of the floor's terms and the collectives' share of each round, and per point the
 kernels a round launches.
+
+`python -m specrun.tools.decode_cli FILE.jsonl ...` prints the tables again from the JSON
+lines of earlier runs (`--json`), one set per model, split and execution mode.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -74,6 +78,10 @@ def register(subjects: argparse._SubParsersAction) -> None:
         "in CUDA graphs): seconds of warm-up instead of minutes, slower rounds",
     )  # fmt: skip
     decode.add_argument(
+        "--no-draft-split", action="store_true",
+        help="do not time the draft phase alone (compiled: one compilation less per tree)",
+    )  # fmt: skip
+    decode.add_argument(
         "--tp", type=int, default=1, metavar="N",
         help="split the target over N GPUs (ranks started here; the head is replicated)",
     )  # fmt: skip
@@ -120,19 +128,19 @@ def decode_points(args: argparse.Namespace, ranks) -> int:
     shapes = SHAPES[args.shapes]
     split = f", split over {args.tp} GPUs (floor: one rank's)" if args.tp > 1 else ""
     execution = "eager" if args.no_compile else "compiled"
-    env = environment() | {
+    device = torch.device("cuda") if ranks is None else ranks.device
+    env = environment(device.type) | {
         "model": f"{shapes.description}, random bf16 weights{split}",
         "tensor_parallel": args.tp,
         "execution": execution,
     }
-    bandwidth = copy_bandwidth() if report else 1.0
+    bandwidth = copy_bandwidth(device=str(device)) if report else 1.0
     env["copy_bandwidth_gbps"] = bandwidth / 1e9
     if report:
         print(json.dumps(env), flush=True)
     # The same seed on every rank: replicated weights and the head agree.
     torch.manual_seed(0)
     sharding = None if ranks is None else ranks.sharding
-    device = "cuda" if ranks is None else ranks.device
     target = random_target(shapes.target, device=device, dtype=torch.bfloat16, sharding=sharding)
     head = random_eagle3_head(
         target,
@@ -148,6 +156,7 @@ def decode_points(args: argparse.Namespace, ranks) -> int:
                 target, head, bucket=bucket, tree=tree, context=args.context,
                 num_rounds=args.rounds, bandwidth=bandwidth, compile=not args.no_compile,
                 profile_rounds=args.profile_rounds, collectives=ranks is not None,
+                draft_split=not args.no_draft_split,
                 num_top_kernels=args.top_kernels, prompt_length=args.prompt_length,
             )  # fmt: skip
             points.append(point)
@@ -278,3 +287,38 @@ def format_kernel_table(point: dict) -> str:
     for name, launches, micros in point["top_kernels"]:
         lines.append(f"  {micros:8.1f} us {launches:6.1f}x  {name}")
     return "\n".join(lines)
+
+
+def summarize(lines: list[dict], *, accept_length: float = 5.39) -> str:
+    """The tables of `bench decode` JSON lines (points with their environment), one set per
+    (model, tensor parallelism, execution), in the order first seen."""
+    groups: dict[tuple, list[dict]] = {}
+    for line in lines:
+        if "mode" in line:
+            key = (line["model"], line["tensor_parallel"], line.get("execution", "compiled"))
+            groups.setdefault(key, []).append(line)
+    parts = []
+    for (model, tp, execution), points in groups.items():
+        tables = format_tables(points, accept_length=accept_length, execution=execution)
+        parts.append(f"== {model} (TP={tp}, {execution})\n{tables}")
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the tables of the JSON-lines files named on the command line."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--accept-length", type=float, default=5.39)
+    args = parser.parse_args(argv)
+    lines = [
+        json.loads(text)
+        for path in args.files
+        for text in path.read_text().splitlines()
+        if text.strip()
+    ]
+    print(summarize(lines, accept_length=args.accept_length))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

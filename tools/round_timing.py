@@ -1,12 +1,14 @@
 """Timing and profiling of replayed steps on the GPU: the mean time of back-to-back replays
-between two CUDA events, and the kernels a step launches under the profiler (how many, their
-summed time, the costliest by name, and the GPU's idle time between them).
+between two CUDA events (on the CPU, of eager calls on the host clock), and the kernels a
+step launches under the profiler (how many, their summed time, the costliest by name, and the
+GPU's idle time between them).
 
 Used by `specrun bench decode` (tools/decode_bench.py) and tools/collectives.py.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -15,9 +17,15 @@ import torch
 from ..runtime.reports import ReportReader
 
 
-def time_replays(run, *, num_rounds: int) -> float:
-    """Mean seconds of `run` over `num_rounds` back-to-back launches (GPU time)."""
+def time_replays(run, *, num_rounds: int, device: torch.device | str = "cuda") -> float:
+    """Mean seconds of `run` over `num_rounds` back-to-back launches after one more: GPU time
+    on CUDA (the current device), wall time on the CPU."""
     run()
+    if torch.device(device).type != "cuda":
+        started = time.perf_counter()
+        for _ in range(num_rounds):
+            run()
+        return (time.perf_counter() - started) / num_rounds
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(num_rounds):

@@ -6,6 +6,8 @@ that report the floor and the collectives' share."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tensor_parallel_worker import collectives_rank
+from tensor_parallel_worker import bench_decode_rank, collectives_rank
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -21,11 +23,19 @@ from specrun.models.llama import Llama
 from specrun.models.tensor_parallel import Sharding, shard_slices
 from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
+from specrun.runtime.ranks import spawn_ranks
 from specrun.runtime.tree import TreeShape
+from specrun.tools import kernel_bench
 from specrun.tools.collectives import CollectiveReplay, count_collectives, record_collectives
 from specrun.tools.decode_bench import round_collectives
-from specrun.tools.decode_cli import format_tables
-from specrun.tools.random_models import SHAPES, random_eagle3_head, random_target, weight_bytes
+from specrun.tools.decode_cli import decode_points, format_tables
+from specrun.tools.random_models import (
+    SHAPES,
+    BenchShapes,
+    random_eagle3_head,
+    random_target,
+    weight_bytes,
+)
 from tiny_models import tiny_config
 
 CONFIG = tiny_config(vocab_size=98, num_layers=3)
@@ -154,6 +164,46 @@ def test_two_ranks_replay_the_rounds_collectives_alike():
         # Replayed on buffers of ones: every all-reduce sums two, the gather doubles rows.
         assert result["sums"] == {2.0}
         assert result["gathered_rows"] == CONFIG.vocab_size
+
+
+def test_bench_decode_runs_over_two_gloo_ranks(monkeypatch, tmp_path, capsys):
+    """`bench decode --tp 2 --no-compile` end to end on the CPU (eager rounds, no graphs, the
+    host clock): both ranks run the same points, rank 0 writes one JSON line per point with
+    its collectives and floor, and prints the tables."""
+    shapes = BenchShapes("tiny shapes", CONFIG, 40)
+    monkeypatch.setitem(SHAPES, "tiny", shapes)
+    monkeypatch.setattr(kernel_bench, "copy_bandwidth", lambda **_: 1e9)
+    args = argparse.Namespace(
+        shapes="tiny", buckets=[1, 2], context=7, rounds=2, profile_rounds=None,
+        draft_vocab=None, accept_length=5.39, modes=["plain", "spec"], tree=[3, 2, 5],
+        stochastic=False, prompt_length=0, top_kernels=5, no_compile=True,
+        no_draft_split=False, tp=2, json=str(tmp_path / "points.jsonl"),
+    )  # fmt: skip
+    ranks = spawn_ranks(2, device_type="cpu", entry=bench_decode_rank, args=(args, shapes))
+    try:
+        assert decode_points(args, ranks) == 0
+    finally:
+        ranks.close()
+    points = [json.loads(line) for line in Path(args.json).read_text().splitlines()]
+    assert [(p["bucket"], p["mode"]) for p in points] == [
+        (1, "plain"), (1, "speculative"), (2, "plain"), (2, "speculative"),
+    ]  # fmt: skip
+    num_layers = CONFIG.num_layers
+    for point in points:
+        num_draft = 3 if point["mode"] == "speculative" else 0
+        assert point["collectives"] == {
+            "all_reduce": num_draft + 1 + 2 * num_layers,
+            "all_gather_into_tensor": 1,
+        }
+        assert point["execution"] == "eager" and point["tensor_parallel"] == 2
+        assert point["collectives_ms"] > 0 and point["collectives_share"] > 0
+    plain = points[0]  # at 1 GB/s, a GB of weights reads in a second
+    assert plain["weight_floor_ms"] == pytest.approx(
+        plain["weight_gb"] * 1e3 + plain["collectives_ms"], rel=1e-6
+    )
+    captured = capsys.readouterr()
+    assert "eagerly" in captured.out and "floor = weights" in captured.out
+    assert "B=1 plain: " in captured.err and "B=2 speculative tree 3,2,5: " in captured.err
 
 
 def _point(mode: str, round_ms: float, **fields) -> dict:
