@@ -170,9 +170,3 @@ def kv_bytes(target: Llama, *, batch: int, context: int) -> int:
     config = target.config
     element = target.lm_head.weight.element_size()
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element * batch * context
-
-
-def floor_seconds(target: Llama, *, batch: int, context: int, bandwidth: float) -> float:
-    """A plain step's memory floor: weights (the embedding table aside) + committed K/V over
-    `bandwidth` (bytes/s)."""
-    return (weight_bytes(target) + kv_bytes(target, batch=batch, context=context)) / bandwidth
