@@ -7,9 +7,10 @@ the vocabulary-parallel logits. `record_collectives` runs a step eagerly under a
 mode that notes every `_c10d_functional` collective it launches (op, input shape and dtype,
 and the op's other arguments: reduce op, group size, group name), so the count and sizes
 come from the code that runs, not from a formula. `CollectiveReplay` launches the same
-collectives in the same order on buffers of the same shapes and waits for each, nothing
-else: captured in a CUDA graph and replayed like the round (`time_collectives`), it gives
-the time the round spends in communication when nothing overlaps it.
+collectives in the same order on buffers of the same shapes (all-reduces in place) and waits
+for each, nothing else: captured in a CUDA graph and replayed like the round
+(`time_collectives`), it gives the time the round spends in communication when nothing
+overlaps it.
 
 Every rank must record and replay together (the collectives meet). On the CPU (gloo) the
 recording and the replay run eagerly, timed on the host clock.
@@ -112,7 +113,12 @@ def count_collectives(collectives: Sequence[Collective]) -> dict[str, int]:
 
 
 class CollectiveReplay:
-    """The recorded collectives alone, on buffers of their shapes, each waited for.
+    """The recorded collectives alone, each on an input buffer of its own, each waited for.
+
+    All-reduces run in place (`all_reduce_`, as compiled code runs them): the functional
+    `all_reduce` first copies its input, a kernel the round's compiled collectives do not
+    launch. The buffers start at ones, so an all-reduce over N ranks multiplies its buffer by
+    N per call (finite in bfloat16 for over a hundred calls over 2 ranks).
 
     Args:
         collectives: what `record_collectives` returned (on every rank alike).
@@ -121,17 +127,18 @@ class CollectiveReplay:
 
     def __init__(self, collectives: Sequence[Collective], *, device: torch.device | str) -> None:
         self.collectives = list(collectives)
-        # One input buffer per distinct shape and dtype: the collectives run one after the
-        # other, so they may share them.
-        self.buffers = {
-            (c.shape, c.dtype): torch.ones(c.shape, dtype=c.dtype, device=device)
-            for c in self.collectives
-        }
+        self.inputs = [torch.ones(c.shape, dtype=c.dtype, device=device) for c in collectives]
 
     def __call__(self) -> list[torch.Tensor]:
-        """Launch and wait for every collective in order; returns their outputs."""
-        wait = torch.ops._c10d_functional.wait_tensor.default
-        return [wait(c.op(self.buffers[c.shape, c.dtype], *c.args)) for c in self.collectives]
+        """Launch and wait for every collective in order; returns their outputs (the
+        all-reduces' buffers)."""
+        functional = torch.ops._c10d_functional
+        outputs = []
+        for collective, tensor in zip(self.collectives, self.inputs, strict=True):
+            op = functional.all_reduce_.default if collective.name == "all_reduce" else None
+            out = (op or collective.op)(tensor, *collective.args)
+            outputs.append(functional.wait_tensor.default(out))
+        return outputs
 
 
 def time_collectives(

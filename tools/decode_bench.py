@@ -150,7 +150,9 @@ def bench_bucket(
     profile_rounds = num_rounds if profile_rounds is None else profile_rounds
     profile_rounds = profile_rounds if on_cuda else 0
     point |= _profile(run, refill, num_rounds=profile_rounds, num_top_kernels=num_top_kernels)
-    point |= _collective_fields(decoder, bucket, variant, context, collectives, num_rounds)
+    point |= _collective_fields(
+        decoder, bucket, variant, context=context, enabled=collectives, num_rounds=num_rounds
+    )
     point["collectives_share"] = point["collectives_ms"] / point["round_ms"]
     point |= _floor_fields(target, bucket=bucket, context=context, bandwidth=bandwidth)
     if tree is None:
@@ -192,6 +194,7 @@ def _collective_fields(
     decoder: Decoder,
     bucket: int,
     variant: RoundVariant,
+    *,
     context: int,
     enabled: bool,
     num_rounds: int,
