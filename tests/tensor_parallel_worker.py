@@ -81,6 +81,56 @@ def decode_rank(
         dist.destroy_process_group()
 
 
+def collectives_rank(
+    rank: int, world_size: int, init_file: str, out_dir: str, config, tree
+) -> None:
+    """Record the collectives of a greedy round of `tree` at bucket 1 on this rank's random
+    shard, replay them alone on buffers of ones, and write (op name, shape) of each, the sums
+    the all-reduces gave and the rows the all-gather returned to `out_dir/collectives{rank}.pt`."""
+    from specrun.runtime.tree import TreeShape  # noqa: F401 (unpickled argument's type)
+    from specrun.tools.collectives import CollectiveReplay
+    from specrun.tools.decode_bench import round_collectives
+    from specrun.tools.random_models import random_eagle3_head, random_target
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        torch.manual_seed(0)
+        sharding = Sharding(rank, world_size)
+        target = random_target(config, device="cpu", dtype=torch.float32, sharding=sharding)
+        head = random_eagle3_head(target, draft_vocab_size=40, dtype=torch.float32, layer=config)
+        engine_config = EngineConfig(
+            device="cpu", buckets=(1,), trees={1: tree}, max_seq_len=64,
+            compile=False, cuda_graphs=False, policy="fixed",
+        )  # fmt: skip
+        decoder = Decoder(target, head, engine_config)
+        variant = decoder.planner.variant_for(1, [SamplingParams()])
+        recorded = round_collectives(decoder, 1, variant, context=7)
+        outputs = CollectiveReplay(recorded, device="cpu")()
+        torch.save(
+            {
+                "recorded": [(c.name, c.shape) for c in recorded],
+                "sums": {out.unique().item() for out in outputs[:-1]},
+                "gathered_rows": outputs[-1].shape[0],
+            },
+            Path(out_dir) / f"collectives{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_decode_rank(ranks, args, shapes) -> None:
+    """A rank other than 0 of `bench decode` (tools/decode_cli.py) on the CPU, with `shapes`
+    known under `args.shapes` here too."""
+    from specrun.tools.decode_cli import decode_points
+    from specrun.tools.random_models import SHAPES
+
+    SHAPES[args.shapes] = shapes
+    decode_points(args, ranks)
+
+
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The environment torchrun gives one of `world_size` ranks on this host."""
     return {

@@ -256,7 +256,7 @@ def _models(spec: dict, config):
     """(target, head or None, a name) as the point asks: random Llama-3.1-8B shapes, or a
     directory loaded like Engine.from_pretrained loads it."""
     if spec["random_8b"]:
-        from .decode_bench import LLAMA_31_8B, random_eagle3_head, random_target
+        from .random_models import LLAMA_31_8B, random_eagle3_head, random_target
 
         dtype, device = config.resolved_dtype(), str(config.resolved_device())
         target = random_target(LLAMA_31_8B, device=device, dtype=dtype)

@@ -178,7 +178,7 @@ def random_8b_engine(
     weights instead of 1.05)."""
     from ..models.default import default_model_dir
     from ..models.tokenizer import Tokenizer
-    from .decode_bench import LLAMA_31_8B, random_eagle3_head, random_target
+    from .random_models import LLAMA_31_8B, random_eagle3_head, random_target
 
     tokenizer = Tokenizer.from_dir(tokenizer_dir or default_model_dir())
     shapes = dataclasses.replace(LLAMA_31_8B, vocab_size=tokenizer.vocab_size)

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from specrun.models.tensor_parallel import Sharding
-from specrun.tools.bench import format_kernel_table
-from specrun.tools.decode_bench import KernelSpan, idle_fraction, kernel_table, random_target
+from specrun.tools.decode_cli import format_kernel_table
+from specrun.tools.random_models import random_target
+from specrun.tools.round_timing import KernelSpan, idle_fraction, kernel_table
 from tiny_models import prompt_logits, tiny_config
 
 

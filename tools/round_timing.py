@@ -1,0 +1,104 @@
+"""Timing and profiling of replayed steps on the GPU: the mean time of back-to-back replays
+between two CUDA events (on the CPU, of eager calls on the host clock), and the kernels a
+step launches under the profiler (how many, their summed time, the costliest by name, and the
+GPU's idle time between them).
+
+Used by `specrun bench decode` (tools/decode_bench.py) and tools/collectives.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.reports import ReportReader
+
+
+def time_replays(run, *, num_rounds: int, device: torch.device | str = "cuda") -> float:
+    """Mean seconds of `run` over `num_rounds` back-to-back launches after one more: GPU time
+    on CUDA (the current device), wall time on the CPU."""
+    run()
+    if torch.device(device).type != "cuda":
+        started = time.perf_counter()
+        for _ in range(num_rounds):
+            run()
+        return (time.perf_counter() - started) / num_rounds
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(num_rounds):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / num_rounds
+
+
+@dataclass(frozen=True)
+class KernelSpan:
+    """One kernel execution seen by the profiler: name, start and end in microseconds."""
+
+    name: str
+    start: float
+    end: float
+
+
+def profile_kernels(run, *, num_rounds: int, host_loop: bool) -> list[KernelSpan]:
+    """The kernels of `num_rounds` rounds, driven by the decoder's host loop (launch, copy the
+    report out, read it one round behind) when `host_loop`, else replayed back to back."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reader = ReportReader(torch.device("cuda"))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(num_rounds):
+            if not host_loop:
+                run()
+                continue
+            while len(reader) <= 1:
+                reader.submit(run)
+            reader.read()
+        torch.cuda.synchronize()
+    return sorted(
+        (
+            KernelSpan(e.name, e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+        ),
+        key=lambda k: (k.start, k.end),
+    )
+
+
+def idle_fraction(kernels: list[KernelSpan]) -> float | None:
+    """1 - (union of kernel intervals) / span; None without kernels."""
+    if not kernels:
+        return None
+    busy, current_start, current_end = 0.0, kernels[0].start, kernels[0].end
+    for kernel in kernels[1:]:
+        if kernel.start > current_end:
+            busy += current_end - current_start
+            current_start, current_end = kernel.start, kernel.end
+        else:
+            current_end = max(current_end, kernel.end)
+    busy += current_end - current_start
+    span = kernels[-1].end - kernels[0].start
+    return max(0.0, 1.0 - busy / span) if span > 0 else None
+
+
+def kernel_table(kernels: list[KernelSpan], *, num_rounds: int, top: int) -> dict:
+    """Per round: kernels launched, their summed time (us), and the `top` costliest kernel
+    names as [name, launches per round, us per round]."""
+    count: dict[str, int] = defaultdict(int)
+    total: dict[str, float] = defaultdict(float)
+    for kernel in kernels:
+        count[kernel.name] += 1
+        total[kernel.name] += kernel.end - kernel.start
+    costliest = sorted(total, key=total.get, reverse=True)[:top]
+    return {
+        "kernels_per_round": len(kernels) / num_rounds,
+        "kernel_us_per_round": sum(total.values()) / num_rounds,
+        "top_kernels": [
+            [name[:120], count[name] / num_rounds, total[name] / num_rounds] for name in costliest
+        ],
+    }
