@@ -271,12 +271,22 @@ def save_checkpoint(
 
 
 def load_checkpoint(out_dir: Path, head: DraftHead, optimizer: torch.optim.Optimizer) -> int:
-    """Restore head and optimizer from out/checkpoint; returns the saved step."""
+    """Restore head and optimizer from out/checkpoint; returns the saved step. A ValueError
+    names the --kind and --num-layers of a saved head whose tensors `head` lacks."""
     path = out_dir / CHECKPOINT_DIR / STATE_FILE
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}; run without --resume to start afresh")
     device = next(head.parameters()).device
     state = torch.load(path, map_location=device, weights_only=True)
+    if state["head"].keys() != head.state_dict().keys():
+        kind = state["config"]["kind"]
+        layers = {name.split(".")[1] for name in state["head"] if name.startswith("layers.")}
+        num_layers = len(layers) + (1 if kind == "eagle3" else 0)  # the mid layer
+        raise ValueError(
+            f"{path} holds a {kind} head of {num_layers} layers, not the head these options "
+            f"build; resume with those of the run that wrote it (--kind {kind} "
+            f"--num-layers {num_layers})"
+        )
     head.load_state_dict(state["head"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])

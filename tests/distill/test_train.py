@@ -281,6 +281,9 @@ def test_a_deeper_head_fine_tuned_from_a_trained_one_starts_where_it_ended(
     assert same.head.num_layers == 1 and deeper.head.num_layers == 2
     assert deeper.losses[0] == pytest.approx(same.losses[0], rel=1e-5)
     assert load_draft(tmp_path / "deeper", target=target).num_layers == 2
+    with pytest.raises(ValueError, match="--kind eagle3 --num-layers 2"):
+        train_draft(target, sequences, config=TrainConfig(num_steps=2),
+                    out_dir=tmp_path / "deeper", progress=False, resume=True)  # fmt: skip
     shallower = TrainConfig(num_layers=1, num_steps=1)
     with pytest.raises(ValueError, match="holds a head of 2 layers, not num_layers=1"):
         train_draft(target, sequences, config=shallower, out_dir=tmp_path / "out",
