@@ -255,9 +255,12 @@ class DraftConfig:
     kind:
         "eagle1": EAGLE-1/2, fc over [embed, feature] + one decoder layer, target lm_head.
         "eagle3": EAGLE-3, fc over three target taps, one mid layer over
-                  [norm(embed), norm(hidden)], own norm + lm_head over a draft vocabulary.
+                  [norm(embed), norm(hidden)] followed by num_layers - 1 decoder layers,
+                  own norm + lm_head over a draft vocabulary.
         "dense":  N decoder layers over fc([embed, feature]) with their own norm + lm_head
                   (the multi-layer drafter of arXiv 2508.08192).
+    num_layers: attention layers, the leading dimension of the head's KV cache
+        (config.json's `num_hidden_layers`); an EAGLE-3 head's mid layer counts as one.
     tap_layers: EAGLE-3 target taps in Llama's convention (tap i = the hidden state entering
         layer i). config.json's `eagle_aux_hidden_state_layer_ids` names layer *outputs*
         (SpecForge / sglang), i.e. these minus one; from_hf / to_hf convert.
@@ -283,8 +286,6 @@ class DraftConfig:
             raise ValueError(f"draft_vocab_size applies to EAGLE-3 heads only, not {self.kind!r}")
         if self.num_layers < 1:
             raise ValueError(f"draft num_layers must be >= 1, got {self.num_layers}")
-        if self.kind == "eagle3" and self.num_layers != 1:
-            raise ValueError("EAGLE-3 heads have exactly one mid layer (num_hidden_layers=1)")
         if self.target_hidden_size is not None and not (
             is_int(self.target_hidden_size) and self.target_hidden_size > 0
         ):

@@ -8,8 +8,9 @@ the first step (`head.target_features(target_out)`), the head's own `hidden` aft
   Eagle1Head  EAGLE-1/2: x = fc([embed(tok), feature]); decoder layer(s), the first without
               input norm; logits = target lm_head(x), no final norm. Feature: the target's
               post-norm hidden state.
-  Eagle3Head  EAGLE-3: feature = fc(three target taps) on the first step; one mid layer
-              attending over [input_layernorm(embed(tok)), hidden_norm(feature)];
+  Eagle3Head  EAGLE-3: feature = fc(three target taps) on the first step; a mid layer
+              attending over [input_layernorm(embed(tok)), hidden_norm(feature)], then
+              num_layers - 1 full decoder layers (none in published heads);
               logits = lm_head(norm(x)) over a draft vocabulary, mapped back by `d2t`.
   DenseHead   the multi-layer drafter of arXiv 2508.08192: x = fc([embed(tok), feature]);
               N full decoder layers; logits = lm_head(norm(x)) (own lm_head, or the target's
@@ -29,6 +30,7 @@ models/attention.py, over the head's own committed KV cache + side buffer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -78,14 +80,17 @@ def run_layers(
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
     attn: AttentionInputs,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decoder layers in order. x: [B, T, H]. Returns x and stacked k, v [L, B, Hkv, T, D]."""
+    *,
+    first_layer: int = 0,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Decoder layers in order, layer i attending to cache layer first_layer + i.
+    x: [B, T, H]. Returns x and each layer's k, v [B, Hkv, T, D]."""
     k_new, v_new = [], []
     for i, layer in enumerate(layers):
-        x, k, v = layer(x, rope, attn, i)
+        x, k, v = layer(x, rope, attn, first_layer + i)
         k_new.append(k)
         v_new.append(v)
-    return x, torch.stack(k_new), torch.stack(v_new)
+    return x, k_new, v_new
 
 
 class DraftHead(nn.Module):
@@ -164,7 +169,8 @@ class FusedInputHead(DraftHead):
         """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache."""
         x = self.fc(torch.cat([self.embed(tokens), features], dim=-1))
         rope = self.rotary(positions, x.dtype)
-        return run_layers(self.layers, x, rope, attn.with_shared_mask())
+        x, k_new, v_new = run_layers(self.layers, x, rope, attn.with_shared_mask())
+        return x, torch.stack(k_new), torch.stack(v_new)
 
 
 class Eagle1Head(FusedInputHead):
@@ -232,13 +238,24 @@ class Eagle3MidLayer(nn.Module):
 
 class Eagle3Head(DraftHead):
     """EAGLE-3 head (yuhuili / SpecForge layout: `fc`, `midlayer`, `norm`, `lm_head`,
-    buffers `d2t` [draft_vocab] int64 and `t2d` [vocab] bool)."""
+    buffers `d2t` [draft_vocab] int64 and `t2d` [vocab] bool).
+
+    With `config.num_layers` = N > 1, N - 1 full decoder layers `layers.{i}` (i = 0..N-2)
+    follow the mid layer, layer i attending to draft cache layer i + 1 (the mid layer is
+    cache layer 0). `layers.{i}` is this project's extension of the SpecForge layout, whose
+    heads have the mid layer only; a one-layer head holds no `layers.*` and computes exactly
+    the published head.
+    """
 
     def __init__(self, config: DraftConfig, shared: SharedModules) -> None:
         super().__init__(config, shared)
         hidden = config.hidden_size
         self.fc = nn.Linear(NUM_EAGLE3_TAPS * config.feature_size, hidden, bias=config.fc_bias)
         self.midlayer = Eagle3MidLayer(config.layer)
+        # Empty for one layer: no parameters, so no state-dict names either.
+        self.layers = nn.ModuleList(
+            DecoderLayer(config.layer) for _ in range(config.num_layers - 1)
+        )
         self.norm = RMSNorm(hidden, config.layer.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.vocab_out, bias=False)
         # target_id = draft_id + d2t[draft_id]; t2d[target_id] marks the draft vocabulary.
@@ -283,10 +300,15 @@ class Eagle3Head(DraftHead):
         attn: AttentionInputs,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens, positions: [B, T] int64; features: [B, T, H], already projected (a
-        `project(taps)` result or a previous `hidden`). attn: the draft's cache (1 layer)."""
+        `project(taps)` result or a previous `hidden`). attn: the draft's cache
+        (num_layers layers, the mid layer's first). Returns hidden [B, T, H] and k, v
+        [num_layers, B, Hkv, T, D]."""
         rope = self.rotary(positions, features.dtype)
+        if len(self.layers):  # one mask for every layer (a one-layer head builds its own)
+            attn = attn.with_shared_mask()
         x, k, v = self.midlayer(self.embed(tokens), features, rope, attn, 0)
-        return x, k[None], v[None]
+        x, k_new, v_new = run_layers(self.layers, x, rope, attn, first_layer=1)
+        return x, torch.stack([k, *k_new]), torch.stack([v, *v_new])
 
 
 _HEAD_OF_KIND: dict[str, type[DraftHead]] = {
@@ -358,6 +380,31 @@ def _tap_problems(config: DraftConfig, target: Llama) -> list[str]:
             f"{target.tap_layers}; {fix}"
         ]
     return []
+
+
+def add_layers(head: DraftHead, *, num_layers: int) -> DraftHead:
+    """A copy of `head` (same kind, device and dtype) with fresh decoder layers appended
+    after its last one up to `num_layers` attention layers, sharing its borrowed modules.
+
+    Its own tensors are copied; the new layers are initialised from the current RNG, then
+    their `o_proj` and `down_proj` zeroed: each adds nothing to the residual stream, so the
+    deeper head computes the same hidden state and logits as `head` until trained.
+    """
+    if not isinstance(head, (FusedInputHead, Eagle3Head)):
+        raise TypeError(f"cannot add layers to a {type(head).__name__}")
+    if num_layers < head.num_layers:
+        raise ValueError(f"the head has {head.num_layers} layers, num_layers={num_layers} fewer")
+    config = dataclasses.replace(head.config, num_layers=num_layers)
+    with torch.device(head.fc.weight.device):
+        deeper = type(head)(config, head.shared).to(head.fc.weight.dtype)
+    deeper.load_state_dict(head.state_dict(), strict=False)  # missing: the new layers only
+    with torch.no_grad():
+        for layer in deeper.layers[len(head.layers) :]:
+            for out_proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                out_proj.weight.zero_()
+                if out_proj.bias is not None:
+                    out_proj.bias.zero_()
+    return deeper.train(head.training)
 
 
 def build_draft(config: DraftConfig, target: Llama) -> DraftHead:

@@ -13,18 +13,21 @@ Key names (fused projections are stored as their parts, see fused_linear.py):
   drafts  the published names are the heads' state-dict names (see eagle.py):
           EAGLE-1 (yuhuili cnets1): fc.{weight,bias}, layers.{i}.*;
           EAGLE-3 (yuhuili cnets / SpecForge LlamaForCausalLMEagle3): fc.weight, midlayer.*,
-          norm.weight, lm_head.weight, d2t, t2d; SpecForge's training wrapper prefixes
-          `draft_model.` (stripped). A checkpoint's embed_tokens.weight (EAGLE-1 and older
-          SpecForge exports carry a frozen copy of the target's) is checked and dropped: heads
-          embed with the target's, except an EAGLE-3 head narrower than its target, which owns
-          an embedding and requires it.
+          norm.weight, lm_head.weight, d2t, t2d, and in heads of more than one layer this
+          project's layers.{i}.* after the mid layer; SpecForge's training wrapper prefixes
+          `draft_model.` (stripped). A checkpoint's layers.{i} must be those its config.json's
+          num_hidden_layers gives (checked first, with an error of its own). A checkpoint's
+          embed_tokens.weight (EAGLE-1 and older SpecForge exports carry a frozen copy of the
+          target's) is checked and dropped: heads embed with the target's, except an EAGLE-3
+          head narrower than its target, which owns an embedding and requires it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -49,6 +52,7 @@ logger = logging.getLogger(__name__)
 TARGET_PREFIX = "model."
 DRAFT_PREFIXES = ("draft_model.",)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LAYER_NAME = re.compile(r"layers\.(\d+)\.")
 
 
 def load_target(
@@ -119,6 +123,7 @@ def load_draft(
         except ValueError as error:
             raise ValueError(f"{directory}: {error}") from error
     names = _rename(checkpoint.infos, prefixes=DRAFT_PREFIXES)
+    check_layer_count(names, head, source=str(checkpoint.path))
     expected = specs_of(head)
     optional = {}
     if "embed_tokens.weight" not in expected:
@@ -172,6 +177,25 @@ def specs_of(model: nn.Module) -> dict[str, TensorSpec]:
         name: TensorSpec(tuple(t.shape), None if t.is_floating_point() else t.dtype)
         for name, t in model.state_dict().items()
     }
+
+
+def check_layer_count(names: Iterable[str], head: DraftHead, *, source: str) -> None:
+    """Raise ValueError unless the decoder layers `layers.{i}.*` among the tensor `names`
+    are exactly those of `head` (built from config.json's num_hidden_layers)."""
+    found = sorted({int(m.group(1)) for name in names if (m := LAYER_NAME.match(name))})
+    expected = len(getattr(head, "layers", ()))
+    if found == list(range(expected)):
+        return
+    config = head.config
+    extra = 1 if config.kind == "eagle3" else 0  # the mid layer, not among layers.{i}
+    fix = "fix num_hidden_layers or the weights"
+    if found == list(range(len(found))):
+        fix = f"num_hidden_layers should be {len(found) + extra}"
+    mid = " besides its mid layer" if extra else ""
+    raise ValueError(
+        f"{source} holds layers.{{i}} for i in {found}, but config.json's num_hidden_layers="
+        f"{config.num_layers} gives this {config.kind} head {expected} of them{mid}; {fix}"
+    )
 
 
 def check_vocab_maps(head: Eagle3Head) -> None:

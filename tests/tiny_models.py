@@ -44,7 +44,8 @@ def random_llama(
 
 
 def random_head(kind: str, target: Llama, *, seed: int = 0, num_layers: int = 1):
-    """A draft head of `kind` ("eagle1", "eagle3", "dense") with random weights for `target`.
+    """A draft head of `kind` ("eagle1", "eagle3", "dense") with random weights for `target`
+    and `num_layers` attention layers (an EAGLE-3 head's mid layer counting as one).
 
     EAGLE-3 heads get a draft vocabulary of about half the target's, mapped through a random
     d2t so that draft ids and target ids differ.
@@ -58,7 +59,7 @@ def random_head(kind: str, target: Llama, *, seed: int = 0, num_layers: int = 1)
     config = DraftConfig(
         kind=kind,
         layer=target.config,
-        num_layers=num_layers if kind != "eagle3" else 1,
+        num_layers=num_layers,
         draft_vocab_size=draft_vocab,
     )
     head = build_draft(config, target)

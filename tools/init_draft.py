@@ -20,7 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("init-draft", help="write a random-weight draft head")
     parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
     parser.add_argument("--kind", choices=DRAFT_KINDS, default="eagle3")
-    parser.add_argument("--num-layers", type=int, default=1, help="dense heads: layers")
+    parser.add_argument(
+        "--num-layers", type=int, default=1, help="dense and eagle3 heads: attention layers"
+    )
     parser.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 draft vocabulary")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="output directory")
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     config = DraftConfig(
         kind=args.kind,
         layer=target.config,
-        num_layers=args.num_layers if args.kind == "dense" else 1,
+        num_layers=1 if args.kind == "eagle1" else args.num_layers,
         draft_vocab_size=args.draft_vocab if args.kind == "eagle3" else None,
         tap_layers=target.tap_layers if args.kind == "eagle3" else None,
     )

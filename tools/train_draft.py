@@ -76,7 +76,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--ttt-steps", type=int, default=7, help="training-time-test depth")
     parser.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 draft vocab")
-    parser.add_argument("--num-layers", type=int, default=1, help="dense heads: layers")
+    parser.add_argument(
+        "--num-layers", type=int, default=None,
+        help="dense and eagle3 heads: attention layers (default 1, or the --init-from head's; "
+        "more than that head's appends layers that start as the identity)",
+    )  # fmt: skip
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--checkpoint-interval", type=int, default=200)
     parser.add_argument("--eval-interval", type=int, default=100)

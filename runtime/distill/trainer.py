@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ...models.config import DRAFT_KINDS, DraftConfig
-from ...models.eagle import DraftHead, Eagle3Head, build_draft
+from ...models.eagle import DraftHead, Eagle3Head, add_layers, build_draft
 from ...models.llama import Llama
 from ...models.loading import load_draft, save_draft
 from .data import (
@@ -49,7 +49,10 @@ SEQUENCES_FILE = "sequences.jsonl"
 class TrainConfig:
     """How a head is trained.
 
-    kind: "eagle3", "eagle1" or "dense". num_layers: dense heads only.
+    kind: "eagle3", "eagle1" or "dense".
+    num_layers: attention layers of a dense or eagle3 head (eagle1 heads have one). None: one
+        for a fresh head, the loaded head's with `init_from`; more than the loaded head's
+        appends layers that start as the identity (models/eagle.py `add_layers`).
     num_ttt_steps: training-time-test unroll depth K (1 = plain teacher forcing).
     ttt_decay: weight of unroll step k is ttt_decay**k.
     draft_vocab_size: EAGLE-3 draft vocabulary (None: min(32000, target vocab)).
@@ -67,7 +70,7 @@ class TrainConfig:
     num_ttt_steps: int = 7
     ttt_decay: float = 0.8
     draft_vocab_size: int | None = None
-    num_layers: int = 1
+    num_layers: int | None = None
     max_grad_norm: float = 0.5
     checkpoint_interval: int = 200
     eval_interval: int = 100
@@ -81,7 +84,7 @@ class TrainConfig:
         positive = ("num_steps", "batch_size", "num_ttt_steps", "num_layers", "max_length")
         positive += ("checkpoint_interval", "eval_interval")
         for name in positive:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0 or not 0 < self.ttt_decay <= 1 or self.max_grad_norm <= 0:
             raise ValueError("lr and max_grad_norm must be > 0 and ttt_decay in (0, 1]")
@@ -89,6 +92,8 @@ class TrainConfig:
             raise ValueError("num_warmup_steps and num_heldout must be >= 0")
         if self.draft_vocab_size is not None and self.kind != "eagle3":
             raise ValueError("draft_vocab_size applies to eagle3 heads only")
+        if self.kind == "eagle1" and self.num_layers not in (None, 1):
+            raise ValueError("num_layers applies to dense and eagle3 heads, eagle1 heads have one")
 
 
 @dataclass
@@ -114,7 +119,7 @@ def build_head(
     draft_config = DraftConfig(
         kind=config.kind,
         layer=target.config,
-        num_layers=config.num_layers if config.kind == "dense" else 1,
+        num_layers=config.num_layers or 1,
         draft_vocab_size=draft_vocab,
         tap_layers=target.tap_layers if config.kind == "eagle3" else None,
     )
@@ -128,7 +133,8 @@ def build_head(
 
 
 def initial_head(target: Llama, config: TrainConfig, head_dir: str | Path) -> DraftHead:
-    """The head in `head_dir` in float32 on the target's device, checked against `config`."""
+    """The head in `head_dir` in float32 on the target's device, checked against `config`,
+    deepened to `config.num_layers` when that asks for more layers than it has."""
     head = load_draft(head_dir, target=target, dtype=torch.float32)
     if head.config.kind != config.kind:
         raise ValueError(
@@ -141,7 +147,17 @@ def initial_head(target: Llama, config: TrainConfig, head_dir: str | Path) -> Dr
             f"{head_dir} drafts over {size} tokens, not draft_vocab_size="
             f"{config.draft_vocab_size}; leave it unset to keep the head's vocabulary"
         )
-    return head
+    layers = head.num_layers
+    if config.num_layers is None or config.num_layers == layers:
+        return head
+    if config.num_layers < layers:
+        raise ValueError(
+            f"{head_dir} holds a head of {layers} layers, not num_layers={config.num_layers}; "
+            "leave it unset to keep them, or ask for more to add layers"
+        )
+    logger.info("adding %d layers to the %d of %s", config.num_layers - layers, layers, head_dir)
+    torch.manual_seed(config.seed)
+    return add_layers(head, num_layers=config.num_layers)
 
 
 @torch.no_grad()
@@ -255,12 +271,22 @@ def save_checkpoint(
 
 
 def load_checkpoint(out_dir: Path, head: DraftHead, optimizer: torch.optim.Optimizer) -> int:
-    """Restore head and optimizer from out/checkpoint; returns the saved step."""
+    """Restore head and optimizer from out/checkpoint; returns the saved step. A ValueError
+    names the --kind and --num-layers of a saved head whose tensors `head` lacks."""
     path = out_dir / CHECKPOINT_DIR / STATE_FILE
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}; run without --resume to start afresh")
     device = next(head.parameters()).device
     state = torch.load(path, map_location=device, weights_only=True)
+    if state["head"].keys() != head.state_dict().keys():
+        kind = state["config"]["kind"]
+        layers = {name.split(".")[1] for name in state["head"] if name.startswith("layers.")}
+        num_layers = len(layers) + (1 if kind == "eagle3" else 0)  # the mid layer
+        raise ValueError(
+            f"{path} holds a {kind} head of {num_layers} layers, not the head these options "
+            f"build; resume with those of the run that wrote it (--kind {kind} "
+            f"--num-layers {num_layers})"
+        )
     head.load_state_dict(state["head"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])
@@ -290,6 +316,8 @@ def train_draft(
     `init_from`: a head directory to start from instead of fresh weights (fine-tuning a
     shipped head on more data); it keeps its own draft vocabulary, and its kind (and, for
     EAGLE-3, its draft vocabulary size when `config.draft_vocab_size` is set) must match.
+    A larger `config.num_layers` than it has trains a deeper head that starts out computing
+    what it does (see `initial_head`).
 
     With `resume`, head/optimizer/step come from out_dir/checkpoint and training continues
     at the saved step (the same batches follow as in an uninterrupted run). `stop_at` (a

@@ -63,7 +63,7 @@ def _inference_chain(head, tokens, features, *, position: int, num_steps: int):
     """Hidden states [num_steps, H] of a chain draft grown from committed prefix 0..position
     the way the runtime runs it: prefix pairs in the draft cache, chain nodes in a side buffer."""
     layer = head.config.layer
-    cache = KVCache.allocate(layer, num_layers=1, batch_size=1, capacity=64,
+    cache = KVCache.allocate(layer, num_layers=head.num_layers, batch_size=1, capacity=64,
                              dtype=features.dtype, device="cpu")  # fmt: skip
     if position > 0:
         anc = chain_ancestors(1, position, "cpu")
@@ -85,10 +85,10 @@ def _inference_chain(head, tokens, features, *, position: int, num_steps: int):
     return torch.stack(hiddens)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_training_time_test_is_the_inference_computation(kind):
+@pytest.mark.parametrize(("kind", "num_layers"), [("eagle3", 1), ("eagle3", 2), ("eagle1", 1)])
+def test_training_time_test_is_the_inference_computation(kind, num_layers):
     target = random_llama(tiny_config(), seed=3, dtype=torch.float64)
-    head = random_head(kind, target, seed=4)
+    head = random_head(kind, target, seed=4, num_layers=num_layers)
     tokens = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(5))
     num_steps = 4
     with torch.no_grad():
@@ -118,6 +118,19 @@ def test_eagle3_loss_falls_and_the_head_round_trips(target, sequences, tmp_path)
         ours = next(unroll(result.head, tokens, features, num_steps=1))
         theirs = next(unroll(loaded, tokens, features, num_steps=1))
     assert torch.equal(ours.logits, theirs.logits)
+
+
+def test_two_layer_eagle3_loss_falls_and_the_head_round_trips(target, sequences, tmp_path):
+    result = _train(target, sequences, tmp_path, kind="eagle3", num_layers=2,
+                    draft_vocab_size=48, num_steps=8, eval_interval=8)  # fmt: skip
+    assert result.head.num_layers == 2
+    assert _mean(result.losses[-3:]) < 0.9 * _mean(result.losses[:3])
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 2
+    loaded = load_draft(tmp_path, target=target)
+    trained = result.head.state_dict()
+    assert loaded.num_layers == 2 and set(loaded.state_dict()) == set(trained)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
 
 
 def test_generated_sequences_are_the_reference_greedy_responses(target):
@@ -249,3 +262,36 @@ def test_fine_tuning_refuses_another_kind_or_vocabulary_and_resume(target, seque
         run(config={"draft_vocab_size": 20})
     with pytest.raises(ValueError, match="do not also give init_from"):
         run(resume=True)
+
+
+def test_a_deeper_head_fine_tuned_from_a_trained_one_starts_where_it_ended(
+    target, sequences, tmp_path
+):
+    """init_from a one-layer head with num_layers=2: the head gains a layer that starts as
+    the identity, so its first loss is the one-layer head's on the same batch."""
+    _train(target, sequences, tmp_path / "first", num_steps=1)
+
+    def tune(out: str, **overrides):
+        fields = {"num_steps": 1, "lr": 1e-9, "num_ttt_steps": 3, "num_heldout": 0}
+        config = TrainConfig(**(fields | overrides))
+        return train_draft(target, sequences, config=config, out_dir=tmp_path / out,
+                           progress=False, init_from=tmp_path / "first")  # fmt: skip
+
+    same, deeper = tune("same"), tune("deeper", num_layers=2)
+    assert same.head.num_layers == 1 and deeper.head.num_layers == 2
+    assert deeper.losses[0] == pytest.approx(same.losses[0], rel=1e-5)
+    assert load_draft(tmp_path / "deeper", target=target).num_layers == 2
+    with pytest.raises(ValueError, match="--kind eagle3 --num-layers 2"):
+        train_draft(target, sequences, config=TrainConfig(num_steps=2),
+                    out_dir=tmp_path / "deeper", progress=False, resume=True)  # fmt: skip
+    shallower = TrainConfig(num_layers=1, num_steps=1)
+    with pytest.raises(ValueError, match="holds a head of 2 layers, not num_layers=1"):
+        train_draft(target, sequences, config=shallower, out_dir=tmp_path / "out",
+                    progress=False, init_from=tmp_path / "deeper")  # fmt: skip
+
+
+def test_num_layers_applies_to_dense_and_eagle3_heads():
+    with pytest.raises(ValueError, match="num_layers applies to dense and eagle3 heads"):
+        TrainConfig(kind="eagle1", num_layers=2)
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        TrainConfig(num_layers=0)

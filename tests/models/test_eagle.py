@@ -100,6 +100,13 @@ def eagle3_tensors(*, seed: int = 0) -> dict[str, torch.Tensor]:
     return _random(shapes, seed) | {"d2t": d2t, "t2d": t2d}
 
 
+def eagle3_layers_tensors(*, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A two-layer EAGLE-3 head: the mid layer, then a full decoder layer `layers.0`."""
+    shapes = _layer_shapes("layers.0", attn_in=HIDDEN)
+    shapes |= {"layers.0.input_layernorm.weight": (HIDDEN,)}
+    return eagle3_tensors(seed=seed) | _random(shapes, seed + 1)
+
+
 def write_checkpoint(directory: Path, config: dict, tensors: dict, *, fmt: str) -> Path:
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
@@ -120,6 +127,13 @@ LAYOUTS = {
     "yuhuili-eagle1": (Eagle1Head, published_config("LlamaForCausalLM"), eagle1_tensors, ""),
     "yuhuili-eagle3": (Eagle3Head, EAGLE3_CONFIG, eagle3_tensors, ""),
     "specforge-eagle3": (Eagle3Head, EAGLE3_CONFIG | SPECFORGE_FIELDS, eagle3_tensors, ""),
+    # The SpecForge layout with a decoder layer after the mid layer (this project's extension).
+    "specrun-eagle3-layers": (
+        Eagle3Head,
+        EAGLE3_CONFIG | SPECFORGE_FIELDS | {"num_hidden_layers": 2},
+        eagle3_layers_tensors,
+        "",
+    ),
     # SpecForge's OnlineEagle3Model wrapper state dict, with an older export's embedding copy.
     "specforge-wrapped": (
         Eagle3Head,
@@ -177,7 +191,7 @@ def head_of(kind: str, target: Llama, tmp_path: Path) -> DraftHead:
     return random_head(target, dense_config(shared_lm_head=kind == "dense-shared"))
 
 
-KINDS = ["yuhuili-eagle1", "specforge-eagle3", "dense", "dense-shared"]
+KINDS = ["yuhuili-eagle1", "specforge-eagle3", "specrun-eagle3-layers", "dense", "dense-shared"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -389,7 +403,7 @@ def _single_token_layer(x_attn_in, residual, t, prefix) -> torch.Tensor:
     return h + F.linear(gate * up, t[f"{prefix}.mlp.down_proj.weight"])
 
 
-@pytest.mark.parametrize("layout", ["yuhuili-eagle1", "yuhuili-eagle3"])
+@pytest.mark.parametrize("layout", ["yuhuili-eagle1", "yuhuili-eagle3", "specrun-eagle3-layers"])
 def test_published_semantics_by_hand(target, tmp_path, layout):
     """The layer wiring the papers' code uses, recomputed from the raw checkpoint tensors."""
     head = load_draft(write_layout(tmp_path / "h", layout), target=target)
@@ -412,6 +426,9 @@ def test_published_semantics_by_hand(target, tmp_path, layout):
                 -1,
             )
             hidden = _single_token_layer(mixed, feature, t, "midlayer")
+            if "layers.0.input_layernorm.weight" in t:  # a full layer after the mid layer
+                normed = _rms(hidden, t["layers.0.input_layernorm.weight"])
+                hidden = _single_token_layer(normed, hidden, t, "layers.0")
             logits = F.linear(_rms(hidden, t["norm.weight"]), t["lm_head.weight"])
     torch.testing.assert_close(out.hidden[:, 0], hidden)
     torch.testing.assert_close(out.logits[:, 0], logits)

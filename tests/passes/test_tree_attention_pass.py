@@ -140,12 +140,14 @@ def test_fuses_a_dynamic_length_chain_prefill_without_recompiling():
     assert step.manager.passes[0].num_fixed_config == target.config.num_layers
 
 
-@pytest.mark.parametrize(("kind", "num_side"), [("eagle1", 0), ("eagle3", 2)])
-def test_fuses_draft_heads_including_a_side_buffer(kind, num_side):
+@pytest.mark.parametrize(
+    ("kind", "num_side", "num_layers"), [("eagle1", 0, 1), ("eagle3", 2, 1), ("eagle3", 2, 2)]
+)
+def test_fuses_draft_heads_including_a_side_buffer(kind, num_side, num_layers):
     """EAGLE-3 expands 2 frontier nodes that see 2 earlier side-buffer nodes: M=2, N=4."""
     torch.manual_seed(0)
     target = random_llama(tiny_config(), dtype=torch.float32)
-    head = random_head(kind, target)
+    head = random_head(kind, target, num_layers=num_layers)
     cache = _cache(target.config, lengths=[4, 7], num_layers=head.num_layers)
     num_new = 2 if num_side else 3
     visible = torch.ones(2, num_new, num_side + num_new, dtype=torch.bool).tril(num_side)

@@ -20,13 +20,23 @@ def _fresh_state(target, head, shape, params):
 
 
 @pytest.mark.parametrize(
-    ("kind", "temperature"),
-    [("eagle1", 0.8), ("eagle3", 0.0), ("dense", 0.8), ("perfect", 0.0), ("perfect", 0.3)],
+    ("kind", "temperature", "num_layers"),
+    [
+        ("eagle1", 0.8, 1),
+        ("eagle3", 0.0, 1),
+        ("eagle3", 0.8, 2),
+        ("dense", 0.8, 1),
+        ("perfect", 0.0, 1),
+        ("perfect", 0.3, 1),
+    ],
 )
-def test_round_traces_without_graph_breaks_and_matches_eager(kind, temperature):
+def test_round_traces_without_graph_breaks_and_matches_eager(kind, temperature, num_layers):
     torch._dynamo.reset()
     target = random_llama(tiny_config(), dtype=torch.float64)
-    head = TargetAsDraft(target) if kind == "perfect" else random_head(kind, target)
+    if kind == "perfect":
+        head = TargetAsDraft(target)
+    else:
+        head = random_head(kind, target, num_layers=num_layers)
     shape = TreeShape(3, 2, 6)
     params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=20, top_p=0.9, seed=7)
     with torch.no_grad():

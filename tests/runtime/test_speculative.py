@@ -62,11 +62,15 @@ def _prompts(draw, vocab: int) -> list[list[int]]:
     config=llama_configs(),
     shape=st.one_of(tree_shapes(), static_trees()),
     kind=st.sampled_from(["eagle1", "eagle3", "dense", "perfect"]),
+    num_layers=st.integers(1, 2),
     dtype=st.sampled_from([torch.float32, torch.float64]),
 )
-def test_greedy_speculative_equals_reference(data, config, shape, kind, dtype):
+def test_greedy_speculative_equals_reference(data, config, shape, kind, num_layers, dtype):
     target = random_llama(config, seed=data.draw(st.integers(0, 99)), dtype=dtype)
-    head = TargetAsDraft(target) if kind == "perfect" else random_head(kind, target)
+    if kind == "perfect":
+        head = TargetAsDraft(target)
+    else:
+        head = random_head(kind, target, num_layers=1 if kind == "eagle1" else num_layers)
     prompts = _prompts(data.draw, config.vocab_size)
     max_new = data.draw(st.lists(st.integers(0, 24), min_size=len(prompts), max_size=len(prompts)))
     params = [SamplingParams(max_new_tokens=n) for n in max_new]
@@ -75,6 +79,20 @@ def test_greedy_speculative_equals_reference(data, config, shape, kind, dtype):
         want = reference_generate(target, prompts, params, eos_token_ids=eos)
         got, _ = speculative_generate(target, head, prompts, params, shape=shape, eos_token_ids=eos)
     assert got == want
+
+
+def test_greedy_speculation_with_a_two_layer_eagle3_head_equals_reference():
+    shape = TreeShape(4, 3, 10)
+    target = random_llama(tiny_config(vocab_size=61), seed=1, dtype=torch.float64)
+    head = random_head("eagle3", target, seed=2, num_layers=2)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    params = [SamplingParams(max_new_tokens=n) for n in (12, 7, 16)]
+    with torch.no_grad():
+        want = reference_generate(target, prompts, params, eos_token_ids=[11])
+        got, _ = speculative_generate(
+            target, head, prompts, params, shape=shape, eos_token_ids=[11]
+        )
+    assert head.num_layers == 2 and got == want
 
 
 @pytest.mark.parametrize(

@@ -154,6 +154,23 @@ def test_train_draft_writes_a_head_the_engine_loads(model_dir, prompts_file, tmp
     )
 
 
+def test_train_draft_trains_a_two_layer_eagle3_head(model_dir, prompts_file, tmp_path):
+    out = tmp_path / "two-layers"
+    argv = ["train-draft", "--model", str(model_dir), "--out", str(out), "--prompts"]
+    argv += [str(prompts_file), "--kind", "eagle3", "--num-layers", "2", "--steps", "2"]
+    argv += ["--batch-size", "2", "--ttt-steps", "2", "--draft-vocab", "40", "--heldout", "1"]
+    argv += ["--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32"]
+    assert main(argv) == 0
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    config = EngineConfig(device="cpu", dtype="float32")
+    spec = Engine.from_pretrained(model_dir, draft=out, config=config)
+    plain = Engine.from_pretrained(model_dir, config=config)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert spec.generate("t60 t1", params)[0].token_ids == (
+        plain.generate("t60 t1", params)[0].token_ids
+    )
+
+
 def test_train_draft_reuses_sequences_an_earlier_run_wrote(model_dir, prompts_file, tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     argv = ["train-draft", "--model", str(model_dir), "--steps", "2", "--batch-size", "2"]
