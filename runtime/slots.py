@@ -45,21 +45,25 @@ def admit(
     params: Sequence[SamplingParams],
     eos_token_ids: Sequence[int],
     *,
+    length: int | None = None,
     target_forward: Callable | None = None,
     draft_forward: Callable | None = None,
 ) -> torch.Tensor:
     """Prefill one request per slot into `slots` of `state`, leaving every other slot as it
     is. The slots must be free (done); the caller checks that prompt + max_new_tokens fit.
 
+    prompts, params: one per slot, then optionally more that only pad the staging batch
+    (requests asking for nothing, `PADDING_PARAMS`): their rows are prefilled, not copied.
+    length: the columns the prompts are padded to (default the longest prompt).
     Returns the prefill report [len(slots), 7] int64 (ReportColumns: the root token emitted)
     of the admitted slots, in `slots` order.
     """
-    assert len(slots) == len(prompts) == len(params) > 0, (slots, len(prompts), len(params))
-    num_columns = prefill_columns(prompts)
+    assert len(prompts) == len(params) >= len(slots) > 0, (slots, len(prompts), len(params))
+    num_columns = prefill_columns(prompts) if length is None else length
     staging = allocate_state(
         target,
         head,
-        batch_size=len(slots),
+        batch_size=len(prompts),
         capacity=num_columns,
         depth=0 if state.pending is None else state.pending.tokens.shape[1] - 1,
     )
@@ -70,11 +74,12 @@ def admit(
         prompts,
         params,
         eos_token_ids,
+        length=num_columns,
         target_forward=target_forward,
         draft_forward=draft_forward,
     )
     copy_rows(staging, state, slots, num_positions=num_columns)
-    return report
+    return report[: len(slots)]
 
 
 def copy_rows(
