@@ -17,11 +17,11 @@ Chunks run the plain modules eagerly, not the compiled prefill steps: those guar
 attending to an empty cache of capacity 1 (runtime/prefill.py), and a chunk attends to a
 filled one. Chunk boundaries are host integers, so nothing here reads a tensor on the host.
 
-With `pad_chunks` (on the CPU, `pads_prefills`) a chunk of n tokens runs `prefill_length(n)`
-rows, target and draft alike: the prompt's next tokens or zeros past its end, at the
-positions that follow. They come after the chunk's tokens, so the causal mask hides them
-from those; only the first n rows' K/V (the draft's pairs) are appended and their outputs
-are never read.
+With `max_rows` (on the CPU, `max_prefill_rows`) a chunk runs in pieces of at most max_rows
+tokens, and a piece of n tokens runs `prefill_length(n)` rows, target and draft alike: the
+prompt's next tokens or zeros past its end, at the positions that follow. They come after the
+piece's tokens, so the causal mask hides them from those; only the first n rows' K/V (the
+draft's pairs) are appended and their outputs are never read.
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ class ChunkedPrefill:
         eos_token_ids: the model's end-of-sequence ids.
         depth: the deepest draft tree of the state the request is installed into: the staging
             state's pending pairs are as wide (depth + 1) as that state's.
-        pad_chunks: run each chunk's forwards over `prefill_length`'s rows (see above).
+        max_rows: pad each chunk's forwards to `prefill_length`'s rows, running a chunk of
+            more tokens than this in pieces of at most this many (see above; a ladder value);
+            None: one unpadded forward per chunk.
     """
 
     def __init__(
@@ -71,12 +73,12 @@ class ChunkedPrefill:
         *,
         eos_token_ids: Sequence[int],
         depth: int,
-        pad_chunks: bool = False,
+        max_rows: int | None = None,
     ) -> None:
         assert len(prompt) > 0, "a prompt has at least one token"
         self._target = target
         self._head = head
-        self._pad_chunks = pad_chunks
+        self._max_rows = max_rows
         self.prompt_length = len(prompt)
         self.num_prefilled = 0
         device = target.lm_head.weight.device
@@ -104,18 +106,29 @@ class ChunkedPrefill:
         root token as the one token emitted; before it an empty [0, 7] int64.
         """
         assert not self.finished and max_tokens > 0, (self.num_remaining, max_tokens)
-        start = self.num_prefilled
-        end = min(start + max_tokens, self.prompt_length)
-        num_rows = prefill_length(end - start) if self._pad_chunks else end - start
-        out = self._target_chunk(start, end, num_rows)
-        features = None
-        if self._head is not None:
-            features = self._head.target_features(out)
-            self._draft_chunk(features, start, end)
-        self.num_prefilled = end
+        end = min(self.num_prefilled + max_tokens, self.prompt_length)
+        while True:
+            start = self.num_prefilled
+            stop = end if self._max_rows is None else min(end, start + self._max_rows)
+            out, features = self._forwards(start, stop)
+            self.num_prefilled = stop
+            if stop == end:
+                break
         if not self.finished:
             return self._tokens.new_zeros(0, ReportColumns.TOKENS + 1)
-        return self._finish(out, features, last=end - start - 1)
+        return self._finish(out, features, last=stop - start - 1)
+
+    def _forwards(self, start: int, stop: int) -> tuple[ModelOutput, torch.Tensor | None]:
+        """The target and draft over prompt positions start..stop-1 (padded to
+        `prefill_length`'s rows with max_rows); returns the target's output and the draft's
+        features (None without a head)."""
+        num_rows = stop - start if self._max_rows is None else prefill_length(stop - start)
+        out = self._target_chunk(start, stop, num_rows)
+        if self._head is None:
+            return out, None
+        features = self._head.target_features(out)
+        self._draft_chunk(features, start, stop)
+        return out, features
 
     def _target_chunk(self, start: int, end: int, num_rows: int) -> ModelOutput:
         """The target over `num_rows` rows from prompt position `start`, the first

@@ -35,7 +35,7 @@ from .graphs.compile import CompiledStep
 from .prefill import (
     allocate_state,
     mark_dynamic_dims,
-    pads_prefills,
+    max_prefill_rows,
     state_capacity,
 )
 from .prefill_runner import PrefillRunner
@@ -422,8 +422,8 @@ class Decoder:
         self, prompt: Sequence[int], params: SamplingParams
     ) -> ChunkedPrefill:
         """A prefill of one prompt into a staging state of its own, run chunk by chunk with
-        `prefill_chunk` (runtime/chunked_prefill.py); chunks padded where prefills pad
-        (`pads_prefills`)."""
+        `prefill_chunk` (runtime/chunked_prefill.py); chunks padded and capped as other
+        prefills are (`max_prefill_rows`)."""
         return ChunkedPrefill(
             self.target,
             self.head,
@@ -431,7 +431,7 @@ class Decoder:
             params,
             eos_token_ids=self.eos_token_ids,
             depth=self.max_depth,
-            pad_chunks=pads_prefills(self.device),
+            max_rows=max_prefill_rows(self.device),
         )
 
     def prefill_chunk(self, chunked: ChunkedPrefill, max_tokens: int, *, slot: int) -> torch.Tensor:

@@ -12,11 +12,11 @@ whose host work costs 17-39 ms for a 64-token prompt of the embedded model on an
 against 2-3 ms replayed (BENCHMARKS.md), which every running request would wait for.
 Each staging state holds `prefill_graph_tokens // batch` positions.
 
-On the CPU (`pads_prefills`) prefills without graphs are shaped the same way: a batch's
-prompts are padded to `prefill_length`'s length, and admissions are padded to the smallest
-bucket that holds them with requests that ask for nothing (`slots.admit`'s fresh staging
-state, not a kept one: nothing is captured over it), so every forward multiplies one of a
-few row counts.
+On the CPU (`max_prefill_rows`) prefills run without graphs but shaped like them: batches and
+admissions (into `slots.admit`'s fresh staging state, not a kept one: nothing is captured over
+it) are prefilled in groups of a power of two of slots, each padded to `prefill_length` of its
+longest prompt and at most CPU_PREFILL_ROWS rows (`slots.prefill_groups`), so every forward
+multiplies one of a few row counts.
 """
 
 from __future__ import annotations
@@ -32,16 +32,14 @@ from .config import PADDING_PARAMS, EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner
 from .prefill import (
     allocate_state,
+    max_prefill_rows,
     padded_prompts,
-    pads_prefills,
-    prefill,
-    prefill_columns,
     prefill_forwards,
     prefill_length,
     reset_requests,
 )
 from .round import SpecState
-from .slots import admit, copy_rows
+from .slots import admit, copy_rows, prefill_groups
 
 GraphKey = tuple[str, int, int]
 
@@ -78,7 +76,7 @@ class PrefillRunner:
         self._eos_token_ids = tuple(eos_token_ids)
         self._depth = depth
         self._forwards = dict(target_forward=target_forward, draft_forward=draft_forward)
-        self._pads = pads_prefills(target.lm_head.weight.device)
+        self._max_rows = max_prefill_rows(target.lm_head.weight.device)
         self._prompt_buffers: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self._staging: dict[int, SpecState] = {}
 
@@ -88,10 +86,9 @@ class PrefillRunner:
         key = self.key(state, max(map(len, prompts)), kind=kind)
         if key is None:
             head = self._head_for(len(prompts))
-            length = self._padded_length(prompts, capacity=state.target.capacity)
-            return prefill(
-                self.target, head, state, prompts, params, self._eos_token_ids, length=length,
-                **self._forwards,
+            return prefill_groups(
+                self.target, head, state, prompts, params, self._eos_token_ids,
+                max_rows=self._max_rows, **self._forwards,
             )  # fmt: skip
         vocab_size = self.target.config.vocab_size
         reset_requests(state, params, self._eos_token_ids, vocab_size=vocab_size)
@@ -123,9 +120,8 @@ class PrefillRunner:
     ) -> torch.Tensor:
         """Prefill new requests into free `slots` of `state`, the others untouched: replaying
         the admission graph of the staging state of the smallest bucket that holds them, or
-        (no graphs, or prompts too long for one) `slots.admit` with the compiled forwards,
-        on the CPU padded to that bucket and `prefill_length`'s length. Returns their prefill
-        report [len(slots), 7] int64."""
+        (no graphs, or prompts too long for one) `slots.admit` with the compiled forwards
+        (on the CPU in padded groups). Returns their prefill report [len(slots), 7] int64."""
         if self._runner is not None:
             staging = self.staging(self.config.bucket_for(len(slots)))
             key = self.key(staging, max(map(len, prompts)), kind="admit")
@@ -137,23 +133,10 @@ class PrefillRunner:
                 )
                 copy_rows(staging, state, slots, num_positions=key[2])
                 return report[: len(slots)]
-        if self._pads:
-            padding = self.config.bucket_for(len(slots)) - len(slots)
-            prompts = [*prompts, *[[0]] * padding]
-            params = [*params, *[PADDING_PARAMS] * padding]
-        length = self._padded_length(prompts, capacity=self.config.max_seq_len)
         return admit(
             self.target, self.head, state, slots, prompts, params, self._eos_token_ids,
-            length=length, **self._forwards,
+            max_rows=self._max_rows, **self._forwards,
         )  # fmt: skip
-
-    def _padded_length(self, prompts: Sequence[Sequence[int]], *, capacity: int) -> int | None:
-        """The columns a prefill without a graph pads its prompts to: `prefill_length`'s
-        length of the longest (at most `capacity`) where prefills pad (`pads_prefills`),
-        else None (the longest prompt)."""
-        if not self._pads:
-            return None
-        return prefill_length(prefill_columns(prompts), max_length=capacity)
 
     def staging(self, batch: int) -> SpecState:
         """The admission staging state of `batch` slots."""

@@ -31,7 +31,7 @@ from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from .config import SamplingParams
 from .kv_cache import KVCache
-from .prefill import allocate_state, prefill, prefill_columns
+from .prefill import allocate_state, prefill, prefill_columns, prefill_length, prefill_plan
 from .round import SpecState
 from .sampling import SamplingTensors
 
@@ -45,41 +45,42 @@ def admit(
     params: Sequence[SamplingParams],
     eos_token_ids: Sequence[int],
     *,
-    length: int | None = None,
+    max_rows: int | None = None,
     target_forward: Callable | None = None,
     draft_forward: Callable | None = None,
 ) -> torch.Tensor:
     """Prefill one request per slot into `slots` of `state`, leaving every other slot as it
     is. The slots must be free (done); the caller checks that prompt + max_new_tokens fit.
 
-    prompts, params: one per slot, then optionally more that only pad the staging batch
-    (requests asking for nothing, `PADDING_PARAMS`): their rows are prefilled, not copied.
-    length: the columns the prompts are padded to (default the longest prompt).
+    max_rows: prefill in padded groups of forwards of at most this many rows
+    (`prefill_groups`; None: one unpadded forward).
     Returns the prefill report [len(slots), 7] int64 (ReportColumns: the root token emitted)
     of the admitted slots, in `slots` order.
     """
-    assert len(prompts) == len(params) >= len(slots) > 0, (slots, len(prompts), len(params))
-    num_columns = prefill_columns(prompts) if length is None else length
+    assert len(slots) == len(prompts) == len(params) > 0, (slots, len(prompts), len(params))
+    num_columns = prefill_columns(prompts)
+    if max_rows is not None:
+        num_columns = prefill_length(num_columns, max_length=state.target.capacity)
     staging = allocate_state(
         target,
         head,
-        batch_size=len(prompts),
+        batch_size=len(slots),
         capacity=num_columns,
         depth=0 if state.pending is None else state.pending.tokens.shape[1] - 1,
     )
-    report = prefill(
+    report = prefill_groups(
         target,
         head,
         staging,
         prompts,
         params,
         eos_token_ids,
-        length=num_columns,
+        max_rows=max_rows,
         target_forward=target_forward,
         draft_forward=draft_forward,
     )
     copy_rows(staging, state, slots, num_positions=num_columns)
-    return report[: len(slots)]
+    return report
 
 
 def copy_rows(
@@ -115,43 +116,76 @@ def slot_index(slots: Sequence[int], device: torch.device) -> torch.Tensor:
     return index.to(device, non_blocking=True)
 
 
-def slot_view(state: SpecState, num_slots: int) -> SpecState:
-    """The state of the first `num_slots` slots: views sharing the store's memory (contiguous
-    along the slot dimension, so their strides do not depend on `num_slots`)."""
-    if state.root.shape[0] == num_slots:
+def slot_view(state: SpecState, num_slots: int, *, first: int = 0) -> SpecState:
+    """The state of `num_slots` slots from slot `first` (by default the first ones): views
+    sharing the store's memory (contiguous along the slot dimension, so their strides do not
+    depend on `num_slots`)."""
+    if first == 0 and state.root.shape[0] == num_slots:
         return state
+    rows = slice(first, first + num_slots)
 
     def cache(c: KVCache | None) -> KVCache | None:
-        return None if c is None else KVCache(c.k[:, :num_slots], c.v[:, :num_slots],
-                                                c.lengths[:num_slots])  # fmt: skip
+        return None if c is None else KVCache(c.k[:, rows], c.v[:, rows], c.lengths[rows])
 
-    num_output = state.num_output[:num_slots]
+    num_output = state.num_output[rows]
     sampling = state.sampling
     return SpecState(
         target=cache(state.target),
         draft=cache(state.draft),
-        root=state.root[:num_slots],
+        root=state.root[rows],
         pending=None
         if state.pending is None
         else type(state.pending)(
-            *(getattr(state.pending, f.name)[:num_slots] for f in dataclasses.fields(state.pending))
+            *(getattr(state.pending, f.name)[rows] for f in dataclasses.fields(state.pending))
         ),
-        output=state.output[:num_slots],
+        output=state.output[rows],
         num_output=num_output,
-        max_new=state.max_new[:num_slots],
-        stop_mask=state.stop_mask[:num_slots],
-        done=state.done[:num_slots],
-        finish=state.finish[:num_slots],
+        max_new=state.max_new[rows],
+        stop_mask=state.stop_mask[rows],
+        done=state.done[rows],
+        finish=state.finish[rows],
         sampling=SamplingTensors(
-            temperature=sampling.temperature[:num_slots],
-            top_k=sampling.top_k[:num_slots],
-            top_p=sampling.top_p[:num_slots],
-            seed=sampling.seed[:num_slots],
+            temperature=sampling.temperature[rows],
+            top_k=sampling.top_k[rows],
+            top_p=sampling.top_p[rows],
+            seed=sampling.seed[rows],
             position=num_output,
-            seeded=sampling.seeded[:num_slots],
+            seeded=sampling.seeded[rows],
             filtered=sampling.filtered,
         ),
     )
+
+
+def prefill_groups(
+    target: Llama,
+    head: DraftHead | None,
+    state: SpecState,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    eos_token_ids: Sequence[int],
+    *,
+    max_rows: int | None = None,
+    target_forward: Callable | None = None,
+    draft_forward: Callable | None = None,
+) -> torch.Tensor:
+    """`prefill` of every slot of `state` (one prompt each): in one forward over prompts
+    padded to the longest (max_rows None), or as `prefill_plan` groups them for forwards of
+    at most `max_rows` rows, each group over views of its slots' rows. Returns the prefill
+    report [B, 7] int64."""
+    forwards = dict(target_forward=target_forward, draft_forward=draft_forward)
+    if max_rows is None:
+        return prefill(target, head, state, prompts, params, eos_token_ids, **forwards)
+    plan = prefill_plan(
+        [len(p) for p in prompts], max_rows=max_rows, capacity=state.target.capacity
+    )
+    reports = []
+    for first, size, length in plan:
+        rows = slice(first, first + size)
+        group = slot_view(state, size, first=first)
+        report = prefill(target, head, group, prompts[rows], params[rows], eos_token_ids,
+                         length=length, **forwards)  # fmt: skip
+        reports.append(report)
+    return reports[0] if len(reports) == 1 else torch.cat(reports)
 
 
 def release(state: SpecState, slots: Sequence[int]) -> None:

@@ -1,21 +1,29 @@
-"""CPU prefills pad to a bounded set of shapes (runtime/prefill.py, `pads_prefills`).
+"""CPU prefills are shaped for a bounded set of row counts (runtime/prefill.py,
+`max_prefill_rows`, `prefill_plan`).
 
-Through the scheduler, prompts of many distinct lengths (batch prefills into an idle decoder,
-admissions into running batches, prompts longer than the budget prefilled in chunks) run
-every forward, target and draft, over a bucket's batch and one of `prefill_length`'s lengths,
-or over a round's few tokens: the row counts a process multiplies do not grow with the
-prompts it sees (oneDNN keeps memory for each). And every request decodes token for token
-what the reference decoder, which prefills its prompt unpadded, decodes for it alone.
+`prefill_plan` splits a batch into groups of a power of two of consecutive slots, each padded
+to `prefill_length` of its longest prompt, at most `max_rows` rows a forward. Through the
+scheduler, prompts of many distinct lengths (batch prefills into an idle decoder, admissions
+into running batches, prompts longer than the budget prefilled in chunks) run every forward,
+target and draft, over such a group or over a round's few tokens, so the row counts a process
+multiplies do not grow with the prompts it sees (oneDNN keeps memory for each); and every
+request decodes token for token what the reference decoder, which prefills its prompt
+unpadded and whole, decodes for it alone.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from specrun.runtime import prefill as prefill_module
 from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
-from specrun.runtime.prefill import pads_prefills, prefill_length
+from specrun.runtime.prefill import max_prefill_rows, prefill_length, prefill_plan
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.scheduler import Scheduler
 from specrun.runtime.tree import TreeShape
@@ -37,6 +45,36 @@ def models():
     return targets_with_heads()
 
 
+def test_prefills_are_shaped_on_the_cpu_only():
+    assert max_prefill_rows(torch.device("cpu")) == prefill_module.CPU_PREFILL_ROWS
+    assert prefill_length(prefill_module.CPU_PREFILL_ROWS) == prefill_module.CPU_PREFILL_ROWS
+    assert max_prefill_rows(torch.device("cuda", 0)) is None
+    assert sorted(LADDER) == [16, 24, 32]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=70),
+    max_rows=st.sampled_from([16, 64, 96, 512]),
+    capacity=st.integers(300, 2048),
+)
+def test_the_plan_covers_every_slot_in_padded_power_of_two_groups(lengths, max_rows, capacity):
+    plan = prefill_plan(lengths, max_rows=max_rows, capacity=capacity)
+    firsts = [first for first, _, _ in plan]
+    assert firsts == [0, *itertools.accumulate(size for _, size, _ in plan[:-1])]
+    assert sum(size for _, size, _ in plan) == len(lengths)
+    for first, size, length in plan:
+        group = lengths[first : first + size]
+        assert size & (size - 1) == 0
+        assert length == prefill_length(max(3, *group), max_length=capacity) >= max(group)
+        assert size * length <= max_rows or size == 1
+        # A group doubles while the doubled group still fits.
+        if first + 2 * size <= len(lengths):
+            doubled = lengths[first : first + 2 * size]
+            longer = prefill_length(max(3, *doubled), max_length=capacity)
+            assert 2 * size * longer > max_rows
+
+
 def _params(index: int) -> SamplingParams:
     if index % 3:
         return SamplingParams(max_new_tokens=6)
@@ -53,14 +91,25 @@ def _forward_shapes(*modules) -> tuple[list[tuple[int, int]], list]:
     return shapes, [m.register_forward_pre_hook(record) for m in modules if m is not None]
 
 
-def test_prefills_pad_on_the_cpu_only():
-    assert pads_prefills(torch.device("cpu"))
-    assert not pads_prefills(torch.device("cuda", 0))
-    assert sorted(LADDER) == [16, 24, 32]
+def _decode_all(scheduler: Scheduler, prompts: list[list[int]]) -> list:
+    handles = []
+    with torch.no_grad():
+        for start in range(0, len(prompts), 3):  # three arrive every pass
+            for index in range(start, min(start + 3, len(prompts))):
+                handles.append(scheduler.submit(prompts[index], _params(index)))
+            scheduler.step()
+        while scheduler.step():
+            pass
+    return handles
 
 
+@pytest.mark.parametrize("max_rows", [32, 512])
 @pytest.mark.parametrize("kind", ["plain", "eagle3"])
-def test_prefills_run_a_few_shapes_and_decode_what_the_reference_decodes(models, kind):
+def test_prefills_run_a_few_shapes_and_decode_what_the_reference_decodes(
+    models, kind, max_rows, monkeypatch
+):
+    """max_rows 32 splits batches into groups and chunks into pieces; 512 runs them whole."""
+    monkeypatch.setattr(prefill_module, "CPU_PREFILL_ROWS", max_rows)
     target, head = models[kind]
     scheduler = Scheduler(
         Decoder(target, head, CONFIG),
@@ -71,15 +120,8 @@ def test_prefills_run_a_few_shapes_and_decode_what_the_reference_decodes(models,
     )
     prompts = [[(5 * i + 3 * j) % 96 + 1 for j in range(n)] for i, n in enumerate(LENGTHS)]
     shapes, hooks = _forward_shapes(target, head)
-    handles = []
     try:
-        with torch.no_grad():
-            for start in range(0, len(prompts), 3):  # three arrive every pass
-                for index in range(start, min(start + 3, len(prompts))):
-                    handles.append(scheduler.submit(prompts[index], _params(index)))
-                scheduler.step()
-            while scheduler.step():
-                pass
+        handles = _decode_all(scheduler, prompts)
     finally:
         for hook in hooks:
             hook.remove()
@@ -91,7 +133,7 @@ def test_prefills_run_a_few_shapes_and_decode_what_the_reference_decodes(models,
     smallest = min(LADDER)
     prefills = {shape for shape in shapes if shape[1] >= smallest}
     rounds = {shape for shape in shapes if shape[1] < smallest}
-    assert prefills <= {(b, n) for b in CONFIG.buckets for n in LADDER}, sorted(prefills)
-    assert {n for _, n in prefills} == LADDER  # batch prefills, admissions and chunks ran
+    assert {n for _, n in prefills} == LADDER, sorted(prefills)
+    assert all(b * n <= max_rows and b in CONFIG.buckets for b, n in prefills), sorted(prefills)
     assert rounds and all(b in CONFIG.buckets for b, _ in rounds), sorted(rounds)
     assert scheduler.stats().num_requests == len(prompts)
