@@ -273,11 +273,12 @@ def max_prefill_rows(device: torch.device) -> int | None:
     no graph runs it, its prompts (and chunks) padded to `prefill_length`'s lengths and
     grouped by `prefill_plan`; None: one unpadded forward.
 
-    On the CPU, CPU_PREFILL_ROWS: oneDNN's bfloat16 and float16 matmuls keep memory for every
-    distinct row count (and weight shape) they multiply and never release it, so the row
-    counts a process ever multiplies must stay a small set. float32 prefills are shaped the
-    same way: one code path for every dtype, at the cost of the padded columns (at most a
-    third of them). Elsewhere (CUDA) prefills without a graph run unpadded."""
+    On the CPU, CPU_PREFILL_ROWS: oneDNN's bfloat16 matmul keeps memory for every distinct
+    row count (and weight shape) it multiplies and never releases it, so the row counts a
+    process ever multiplies must stay a small set. float32 and float16 prefills, whose
+    matmuls keep nothing, are shaped the same way: one code path for every dtype, at the
+    cost of the padded columns (at most a third of them). Elsewhere (CUDA) prefills without
+    a graph run unpadded."""
     return CPU_PREFILL_ROWS if device.type == "cpu" else None
 
 
