@@ -17,11 +17,11 @@ Chunks run the plain modules eagerly, not the compiled prefill steps: those guar
 attending to an empty cache of capacity 1 (runtime/prefill.py), and a chunk attends to a
 filled one. Chunk boundaries are host integers, so nothing here reads a tensor on the host.
 
-With `max_rows` (on the CPU, `max_prefill_rows`) a chunk runs in pieces of at most max_rows
-tokens, and a piece of n tokens runs `prefill_length(n)` rows, target and draft alike: the
-prompt's next tokens or zeros past its end, at the positions that follow. They come after the
-piece's tokens, so the causal mask hides them from those; only the first n rows' K/V (the
-draft's pairs) are appended and their outputs are never read.
+With `max_rows` (on the CPU, `slots.max_prefill_rows`) a chunk runs in pieces of at most
+max_rows tokens, and a piece of n tokens runs `prefill_length(n)` rows, target and draft
+alike: the prompt's next tokens or zeros past its end, at the positions that follow. They
+come after the piece's tokens, so the causal mask hides them from those; only the first n
+rows' K/V (the draft's pairs) are appended and their outputs are never read.
 """
 
 from __future__ import annotations

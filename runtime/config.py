@@ -184,7 +184,7 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     (BENCHMARKS.md). Without those instructions bfloat16 is widened in software and float32
     is the faster one. oneDNN's bfloat16 matmul keeps memory for every row count it
     multiplies; CPU prefills are padded and grouped to a few row counts so that it stays
-    bounded (runtime/prefill.py, `max_prefill_rows`). A torch without `get_capabilities`
+    bounded (runtime/slots.py, `max_prefill_rows`). A torch without `get_capabilities`
     reads as no native support."""
     if device.type == "cuda":
         return torch.bfloat16

@@ -35,7 +35,6 @@ from .graphs.compile import CompiledStep
 from .prefill import (
     allocate_state,
     mark_dynamic_dims,
-    max_prefill_rows,
     state_capacity,
 )
 from .prefill_runner import PrefillRunner
@@ -53,6 +52,7 @@ from .round_plan import RoundPlanner, RoundVariant
 from .slots import (
     copy_rows,
     copy_slots,
+    max_prefill_rows,
     move,
     release,
     restore_rows,

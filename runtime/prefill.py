@@ -12,13 +12,14 @@ longer than the scheduler prefills between two rounds is prefilled in chunks ins
 (runtime/chunked_prefill.py, with `prompt_ancestors`, `set_pending` and `emit_root`).
 
 On the CPU every prefill pads its prompts to `prefill_length`'s lengths too, and runs them in
-groups of a power of two of slots, at most `CPU_PREFILL_ROWS` rows (slots x length) per
-forward (`max_prefill_rows`, `prefill_plan`): oneDNN's bfloat16 matmul keeps memory for every
-distinct row count it multiplies, more for more rows, so a serving process that prefilled each
-batch of prompts at its own size would grow by megabytes per new size; padded and grouped, the
-row counts are the few ladder values up to the cap, plus, for prompts longer than the cap,
-their ladder lengths. The draft runs over as many columns as the target (its pairs (token
-j+1, feature j), the last one pairing no prompt token), so its row counts are the same.
+groups of a power of two of slots, at most CPU_PREFILL_ROWS rows (slots x length) a forward
+(runtime/slots.py: `max_prefill_rows`, `prefill_plan`, `prefill_groups`): oneDNN's bfloat16
+matmul keeps memory for every distinct row count it multiplies, more for more rows, so a
+serving process that prefilled each batch of prompts at its own size would grow by megabytes
+per new size; padded and grouped, the row counts are the few ladder values up to the cap,
+plus, for prompts longer than the cap, their ladder lengths. The draft runs over as many
+columns as the target (its pairs (token j+1, feature j), the last one pairing no prompt
+token), so its row counts are the same.
 
 Compiled prefills (`compile_prefill`, dynamic shapes) compile one graph for batch 1 and one
 for every larger batch, whatever the prompt lengths and buckets, because every input they see
@@ -60,12 +61,6 @@ _MIN_PREFILL_TOKENS = 3
 _MIN_MASK_WORDS = 2
 # The shortest padded prompt length (see prefill_length).
 _MIN_PADDED_PREFILL_TOKENS = 16
-# The most rows (slots x padded length) a CPU prefill forward multiplies, a ladder value
-# (prefill_length): past a few hundred rows a forward's GEMMs outweigh its per-call host work
-# (the embedded model with its head, bfloat16 on 2 cores: about 35 ms of 590 ms at 512
-# rows), so smaller forwards cost little, and oneDNN's memory per row count grows with the
-# rows (about 0.7 MB per weight shape at 256 rows, up to 7 MB at 4096).
-CPU_PREFILL_ROWS = 512
 
 
 def state_capacity(prompt_length: int, max_new_tokens: int, depth: int) -> int:
@@ -268,47 +263,6 @@ def prefill_length(num_tokens: int, *, max_length: int | None = None) -> int:
     return length if max_length is None else min(length, max_length)
 
 
-def max_prefill_rows(device: torch.device) -> int | None:
-    """The most rows (slots x padded length) a prefill forward on `device` multiplies where
-    no graph runs it, its prompts (and chunks) padded to `prefill_length`'s lengths and
-    grouped by `prefill_plan`; None: one unpadded forward.
-
-    On the CPU, CPU_PREFILL_ROWS: oneDNN's bfloat16 matmul keeps memory for every distinct
-    row count (and weight shape) it multiplies and never releases it, so the row counts a
-    process ever multiplies must stay a small set. float32 and float16 prefills, whose
-    matmuls keep nothing, are shaped the same way: one code path for every dtype, at the
-    cost of the padded columns (at most a third of them). Elsewhere (CUDA) prefills without
-    a graph run unpadded."""
-    return CPU_PREFILL_ROWS if device.type == "cpu" else None
-
-
-def prefill_plan(
-    prompt_lengths: Sequence[int], *, max_rows: int, capacity: int
-) -> list[tuple[int, int, int]]:
-    """How a CPU prefill of prompts of these lengths runs (`max_prefill_rows`): one forward
-    per (first slot, slots, padded length), slots in order. Each group is a power of two of
-    consecutive slots padded to `prefill_length` of its longest prompt (at most `capacity`),
-    as many as fit in `max_rows` rows (slots x length), at least one: so every forward's
-    rows are a ladder value up to max_rows or, for a prompt longer than that, its own
-    padded length; and a short prompt is not padded to a long one's length."""
-    plan = []
-    first = 0
-    while first < len(prompt_lengths):
-        size = 1
-        while first + 2 * size <= len(prompt_lengths):
-            length = _group_length(prompt_lengths[first : first + 2 * size], capacity)
-            if 2 * size * length > max_rows:
-                break
-            size *= 2
-        plan.append((first, size, _group_length(prompt_lengths[first : first + size], capacity)))
-        first += size
-    return plan
-
-
-def _group_length(prompt_lengths: Sequence[int], capacity: int) -> int:
-    return prefill_length(max(_MIN_PREFILL_TOKENS, *prompt_lengths), max_length=capacity)
-
-
 def reset_requests(
     state: SpecState,
     params: Sequence[SamplingParams],
@@ -370,7 +324,7 @@ def _prefill_draft(
 ) -> None:
     """Draft over pairs (token j+1, feature j) of the prompt's T columns; (root, last
     feature) pending. All T columns run, as the target's do, so that the draft multiplies
-    the same row counts (see `max_prefill_rows`); the last pair, (the first token, feature
+    the same row counts (see slots.max_prefill_rows); the last pair, (the first token, feature
     T-1), pairs no prompt token and its K/V are not written."""
     batch, length = tokens.shape
     device = tokens.device

@@ -32,14 +32,13 @@ from .config import PADDING_PARAMS, EngineConfig, SamplingParams
 from .graphs import CudaGraphRunner
 from .prefill import (
     allocate_state,
-    max_prefill_rows,
     padded_prompts,
     prefill_forwards,
     prefill_length,
     reset_requests,
 )
 from .round import SpecState
-from .slots import admit, copy_rows, prefill_groups
+from .slots import admit, copy_rows, max_prefill_rows, prefill_groups
 
 GraphKey = tuple[str, int, int]
 

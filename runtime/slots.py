@@ -18,6 +18,10 @@ too long to prefill between two rounds fills a staging state of its own chunk by
 (runtime/chunked_prefill.py) and is installed the same way after its last chunk. Each
 request's random numbers are keyed by its own seed and positions (runtime/rng.py), so where
 and when it is admitted does not change what it samples.
+
+On the CPU a batch or an admission is prefilled in groups of slots, each over views of its
+rows (`slot_view(first=)`, `prefill_groups`), padded and at most `max_prefill_rows` rows a
+forward (`prefill_plan`; runtime/prefill.py says why).
 """
 
 from __future__ import annotations
@@ -31,9 +35,57 @@ from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from .config import SamplingParams
 from .kv_cache import KVCache
-from .prefill import allocate_state, prefill, prefill_columns, prefill_length, prefill_plan
+from .prefill import allocate_state, prefill, prefill_columns, prefill_length
 from .round import SpecState
 from .sampling import SamplingTensors
+
+# The most rows (slots x padded length) a CPU prefill forward multiplies, a ladder value
+# (prefill_length): past a few hundred rows a forward's GEMMs outweigh its per-call host work
+# (the embedded model with its head, bfloat16 on 2 cores: about 35 ms of 590 ms at 512
+# rows), so smaller forwards cost little, and oneDNN's memory per row count grows with the
+# rows (about 0.7 MB per weight shape at 256 rows, up to 7 MB at 4096).
+CPU_PREFILL_ROWS = 512
+
+
+def max_prefill_rows(device: torch.device) -> int | None:
+    """The most rows (slots x padded length) a prefill forward on `device` multiplies where
+    no graph runs it, its prompts (and chunks) padded to `prefill_length`'s lengths and
+    grouped by `prefill_plan`; None: one unpadded forward.
+
+    On the CPU, CPU_PREFILL_ROWS: oneDNN's bfloat16 matmul keeps memory for every distinct
+    row count (and weight shape) it multiplies and never releases it, so the row counts a
+    process ever multiplies must stay a small set. float32 and float16 prefills, whose
+    matmuls keep nothing, are shaped the same way: one code path for every dtype, at the
+    cost of the padded columns (at most a third of them). Elsewhere (CUDA) prefills without
+    a graph run unpadded."""
+    return CPU_PREFILL_ROWS if device.type == "cpu" else None
+
+
+def prefill_plan(
+    prompt_lengths: Sequence[int], *, max_rows: int, capacity: int
+) -> list[tuple[int, int, int]]:
+    """How a CPU prefill of prompts of these lengths runs (`max_prefill_rows`): one forward
+    per (first slot, slots, padded length), slots in order. Each group is a power of two of
+    consecutive slots padded to `prefill_length` of its longest prompt (at most `capacity`),
+    as many as fit in `max_rows` rows (slots x length), at least one: so every forward's
+    rows are a ladder value up to max_rows or, for a prompt longer than that, its own
+    padded length; and a short prompt is not padded to a long one's length."""
+    plan = []
+    first = 0
+    while first < len(prompt_lengths):
+        size = 1
+        while first + 2 * size <= len(prompt_lengths):
+            length = _group_length(prompt_lengths[first : first + 2 * size], capacity)
+            if 2 * size * length > max_rows:
+                break
+            size *= 2
+        plan.append((first, size, _group_length(prompt_lengths[first : first + size], capacity)))
+        first += size
+    return plan
+
+
+def _group_length(prompt_lengths: Sequence[int], capacity: int) -> int:
+    return prefill_length(max(prompt_lengths), max_length=capacity)
 
 
 def admit(

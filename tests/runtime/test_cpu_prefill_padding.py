@@ -1,4 +1,4 @@
-"""CPU prefills are shaped for a bounded set of row counts (runtime/prefill.py,
+"""CPU prefills are shaped for a bounded set of row counts (runtime/slots.py,
 `max_prefill_rows`, `prefill_plan`).
 
 `prefill_plan` splits a batch into groups of a power of two of consecutive slots, each padded
@@ -20,12 +20,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrun.runtime import prefill as prefill_module
+from specrun.runtime import slots as slots_module
 from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
-from specrun.runtime.prefill import max_prefill_rows, prefill_length, prefill_plan
+from specrun.runtime.prefill import prefill_length
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.scheduler import Scheduler
+from specrun.runtime.slots import max_prefill_rows, prefill_plan
 from specrun.runtime.tree import TreeShape
 from tiny_models import targets_with_heads
 
@@ -46,8 +47,8 @@ def models():
 
 
 def test_prefills_are_shaped_on_the_cpu_only():
-    assert max_prefill_rows(torch.device("cpu")) == prefill_module.CPU_PREFILL_ROWS
-    assert prefill_length(prefill_module.CPU_PREFILL_ROWS) == prefill_module.CPU_PREFILL_ROWS
+    assert max_prefill_rows(torch.device("cpu")) == slots_module.CPU_PREFILL_ROWS
+    assert prefill_length(slots_module.CPU_PREFILL_ROWS) == slots_module.CPU_PREFILL_ROWS
     assert max_prefill_rows(torch.device("cuda", 0)) is None
     assert sorted(LADDER) == [16, 24, 32]
 
@@ -66,12 +67,12 @@ def test_the_plan_covers_every_slot_in_padded_power_of_two_groups(lengths, max_r
     for first, size, length in plan:
         group = lengths[first : first + size]
         assert size & (size - 1) == 0
-        assert length == prefill_length(max(3, *group), max_length=capacity) >= max(group)
+        assert length == prefill_length(max(group), max_length=capacity) >= max(group)
         assert size * length <= max_rows or size == 1
         # A group doubles while the doubled group still fits.
         if first + 2 * size <= len(lengths):
             doubled = lengths[first : first + 2 * size]
-            longer = prefill_length(max(3, *doubled), max_length=capacity)
+            longer = prefill_length(max(doubled), max_length=capacity)
             assert 2 * size * longer > max_rows
 
 
@@ -109,7 +110,7 @@ def test_prefills_run_a_few_shapes_and_decode_what_the_reference_decodes(
     models, kind, max_rows, monkeypatch
 ):
     """max_rows 32 splits batches into groups and chunks into pieces; 512 runs them whole."""
-    monkeypatch.setattr(prefill_module, "CPU_PREFILL_ROWS", max_rows)
+    monkeypatch.setattr(slots_module, "CPU_PREFILL_ROWS", max_rows)
     target, head = models[kind]
     scheduler = Scheduler(
         Decoder(target, head, CONFIG),
