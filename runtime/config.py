@@ -208,6 +208,27 @@ def validate_prompt_ids(prompt: object, *, vocab_size: int, index: int = 0) -> l
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """What `EngineConfig(dtype="auto")` runs in on `device`: bfloat16 on CUDA and on a CPU
+    that multiplies bfloat16 natively (x86 AVX512-BF16 or AMX-BF16, `torch.cpu.
+    get_capabilities`, with oneDNN to run the matmuls), float32 on other CPUs.
+
+    Decoding reads every weight once per token, so bfloat16 halves the bytes a step reads: on
+    a 2-core AVX512-BF16 EPYC the embedded model decodes about 1.6x faster than in float32
+    (BENCHMARKS.md). Without those instructions bfloat16 is widened in software and float32
+    is the faster one. oneDNN's bfloat16 matmul keeps memory for every row count it
+    multiplies; CPU prefills are padded and grouped to a few row counts so that it stays
+    bounded (runtime/slots.py, `max_prefill_rows`). A torch without `get_capabilities`
+    reads as no native support."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return torch.float32
+    capabilities = getattr(torch.cpu, "get_capabilities", dict)()
+    native = capabilities.get("avx512_bf16") or capabilities.get("amx_bf16")
+    return torch.bfloat16 if native else torch.float32
+
+
 # The parameters of a slot that pads a batch up to its bucket: it asks for no tokens, so it is
 # done from the start.
 PADDING_PARAMS = SamplingParams(max_new_tokens=0)
@@ -218,10 +239,8 @@ class EngineConfig:
     """How the engine runs.
 
     device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
-    dtype: "auto" (bfloat16 on CUDA, float32 on the CPU), "float32", "bfloat16" or
-        "float16". On a CPU with bfloat16 instructions (AVX512-BF16, AMX) "bfloat16" decodes
-        faster, but oneDNN keeps memory for every prompt length it prefills (BENCHMARKS.md),
-        so it is not the default there.
+    dtype: "auto" (bfloat16 on CUDA and on CPUs with bfloat16 instructions, AVX512-BF16 or
+        AMX; float32 on other CPUs: see `auto_dtype`), "float32", "bfloat16" or "float16".
     chat_template: wrap string prompts in the model's chat template as a user message.
     buckets: the batch sizes decoding is compiled and captured for; a batch pads up to the
         next bucket.
@@ -233,7 +252,7 @@ class EngineConfig:
     compile: compile prefill and rounds with Inductor and specrun's passes (None: on CUDA).
     cuda_graphs: replay each bucket's round as one CUDA graph (None: on CUDA; needs CUDA).
     prefill_graph_tokens: with CUDA graphs, a prefill whose bucket x padded prompt length
-        (see prefill_graph_length) is at most this replays a graph captured for that pair on
+        (see prefill_length) is at most this replays a graph captured for that pair on
         first use; longer prefills run the compiled forwards (0: always). The graphs share the
         rounds' memory pool, which grows to the largest prefill's activations.
     queue: accept lists of prompts larger than the largest bucket in `generate` (False:
@@ -345,7 +364,7 @@ class EngineConfig:
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+            return auto_dtype(self.resolved_device())
         return _DTYPES[self.dtype]
 
     def resolved_compile(self) -> bool:

@@ -51,6 +51,7 @@ from .round_plan import RoundPlanner, RoundVariant
 from .slots import (
     copy_rows,
     copy_slots,
+    max_prefill_rows,
     move,
     release,
     restore_rows,
@@ -420,7 +421,8 @@ class Decoder:
         self, prompt: Sequence[int], params: SamplingParams
     ) -> ChunkedPrefill:
         """A prefill of one prompt into a staging state of its own, run chunk by chunk with
-        `prefill_chunk` (runtime/chunked_prefill.py)."""
+        `prefill_chunk` (runtime/chunked_prefill.py); chunks padded and capped as other
+        prefills are (`max_prefill_rows`)."""
         return ChunkedPrefill(
             self.target,
             self.head,
@@ -428,6 +430,7 @@ class Decoder:
             params,
             eos_token_ids=self.eos_token_ids,
             depth=self.max_depth,
+            max_rows=max_prefill_rows(self.device),
         )
 
     def prefill_chunk(self, chunked: ChunkedPrefill, max_tokens: int, *, slot: int) -> torch.Tensor:

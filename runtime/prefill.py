@@ -7,9 +7,19 @@ parts: `reset_requests` copies the requests' fields from the host, then `prefill
 samples the root token, fills the draft cache with the pairs (token j+1, feature j) of the
 prompt and leaves (root, last feature) pending for the first round's draft extend. With CUDA
 graphs the decoder replays `prefill_forwards` as a graph captured per (bucket, padded length,
-`prefill_graph_length`) over static prompt buffers; longer prefills run it directly. A prompt
+`prefill_length`) over static prompt buffers; longer prefills run it directly. A prompt
 longer than the scheduler prefills between two rounds is prefilled in chunks instead
 (runtime/chunked_prefill.py, with `prompt_ancestors`, `set_pending` and `emit_root`).
+
+On the CPU every prefill pads its prompts to `prefill_length`'s lengths too, and runs them in
+groups of a power of two of slots, at most CPU_PREFILL_ROWS rows (slots x length) a forward
+(runtime/slots.py: `max_prefill_rows`, `prefill_plan`, `prefill_groups`): oneDNN's bfloat16
+matmul keeps memory for every distinct row count it multiplies, more for more rows, so a
+serving process that prefilled each batch of prompts at its own size would grow by megabytes
+per new size; padded and grouped, the row counts are the few ladder values up to the cap,
+plus, for prompts longer than the cap, their ladder lengths. The draft runs over as many
+columns as the target (its pairs (token j+1, feature j), the last one pairing no prompt
+token), so its row counts are the same.
 
 Compiled prefills (`compile_prefill`, dynamic shapes) compile one graph for batch 1 and one
 for every larger batch, whatever the prompt lengths and buckets, because every input they see
@@ -24,7 +34,7 @@ is shaped the same way (tests/runtime/test_prefill_compiles.py):
   of equal value (layers, KV heads, ...), and when that one is specialised (by an op against a
   weight) the batch or prompt length is specialised with it;
 - prompts are padded to _MIN_PREFILL_TOKENS columns and bitmasks to _MIN_MASK_WORDS words, so
-  no length (target T, draft T - 1) or word count is ever 1: Dynamo specialises sizes 0 and 1.
+  no length (target and draft T) or word count is ever 1: Dynamo specialises sizes 0 and 1.
   Padding is invisible to the valid positions (causal) and beyond each slot's length.
 """
 
@@ -45,12 +55,12 @@ from .rng import seed_halves
 from .round import FINISH_NONE, SpecState, emit, round_report
 from .sampling import SamplingTensors, draw_tokens
 
-# Prompt columns the forwards see at least (target T >= 3, draft T - 1 >= 2) and int64 words
-# of their ancestor bitmasks (>= 2): no dynamic size is 0 or 1, so none is specialised.
+# Prompt columns the forwards see at least (target and draft T >= 3) and int64 words of their
+# ancestor bitmasks (>= 2): no dynamic size is 0 or 1, so none is specialised.
 _MIN_PREFILL_TOKENS = 3
 _MIN_MASK_WORDS = 2
-# The shortest prompt length a prefill graph is captured for (see prefill_graph_length).
-_MIN_GRAPH_PREFILL_TOKENS = 16
+# The shortest padded prompt length (see prefill_length).
+_MIN_PADDED_PREFILL_TOKENS = 16
 
 
 def state_capacity(prompt_length: int, max_new_tokens: int, depth: int) -> int:
@@ -142,11 +152,14 @@ def prefill(
     params: Sequence[SamplingParams],
     eos_token_ids: Sequence[int],
     *,
+    length: int | None = None,
     target_forward: Callable | None = None,
     draft_forward: Callable | None = None,
 ) -> torch.Tensor:
     """Reset `state` for a fresh batch (one prompt per slot) and prefill it.
 
+    length: the columns the prompts are padded to (`padded_prompts`; default the longest
+    prompt), at most the state's capacity.
     target_forward, draft_forward: what runs the prompt forwards (a compiled step); the
     modules themselves by default. Returns the prefill's report [B, 7] int64 (ReportColumns:
     the root token as the one token emitted).
@@ -155,7 +168,7 @@ def prefill(
     reset_requests(state, params, eos_token_ids, vocab_size=target.config.vocab_size)
     tokens, lengths = (
         x.to(device, non_blocking=True)
-        for x in padded_prompts(prompts, pinned=device.type == "cuda")
+        for x in padded_prompts(prompts, length=length, pinned=device.type == "cuda")
     )
     return prefill_forwards(
         target,
@@ -238,15 +251,16 @@ def prefill_columns(prompts: Sequence[Sequence[int]]) -> int:
     return max(_MIN_PREFILL_TOKENS, *map(len, prompts))
 
 
-def prefill_graph_length(num_tokens: int, *, max_seq_len: int) -> int:
-    """The prompt length a prefill graph is captured for: the smallest of 16, 24, 32, 48,
-    64, 96, ... (2^k and 1.5 * 2^k: at most a third of a graph's columns are padding) that
-    holds `num_tokens`, capped at max_seq_len (the KV capacity the padded columns are
-    written into)."""
-    length = _MIN_GRAPH_PREFILL_TOKENS
+def prefill_length(num_tokens: int, *, max_length: int | None = None) -> int:
+    """The padded length of a prefill of up to `num_tokens` prompt tokens (what a prefill
+    graph is captured for, what a CPU prefill or chunk pads to): the smallest of 16, 24, 32,
+    48, 64, 96, ... (2^k and 1.5 * 2^k: at most a third of the columns are padding) that
+    holds `num_tokens`, capped at `max_length` (the KV capacity the padded columns are
+    written into; None: no cap)."""
+    length = _MIN_PADDED_PREFILL_TOKENS
     while length < num_tokens:
         length = length * 3 // 2 if length & (length - 1) == 0 else length * 4 // 3
-    return min(length, max_seq_len)
+    return length if max_length is None else min(length, max_length)
 
 
 def reset_requests(
@@ -308,20 +322,19 @@ def _prefill_draft(
     features: torch.Tensor,
     lengths: torch.Tensor,
 ) -> None:
-    """Draft over pairs (token j+1, feature j) of the prompt; (root, last feature) pending."""
+    """Draft over pairs (token j+1, feature j) of the prompt's T columns; (root, last
+    feature) pending. All T columns run, as the target's do, so that the draft multiplies
+    the same row counts (see slots.max_prefill_rows); the last pair, (the first token, feature
+    T-1), pairs no prompt token and its K/V are not written."""
     batch, length = tokens.shape
     device = tokens.device
-    if length > 1:
-        positions = _positions(batch, length - 1, device)
-        attn = _empty_cache_inputs(state.draft, prompt_ancestors(batch, length - 1, device))
-        # Fresh copies, not views: a view's base would be a graph input with unmarked dims
-        # (`contiguous()` would keep a batch-1 view: its size-1 dim makes it contiguous).
-        shifted = [
-            x.clone(memory_format=torch.contiguous_format)
-            for x in (tokens[:, 1:], features[:, :-1])
-        ]
-        out = draft_forward(*shifted, positions, attn)
-        state.draft.append(out.k_new, out.v_new, lengths - 1)
+    positions = _positions(batch, length, device)
+    attn = _empty_cache_inputs(state.draft, prompt_ancestors(batch, length, device))
+    # Fresh tensors, not views of the prompt (a view's base would be a graph input with
+    # unmarked dims): the rolled tokens, and the features as the head computed them.
+    out = draft_forward(tokens.roll(-1, dims=1), features, positions, attn)
+    k_new, v_new = (kv[:, :, :, : length - 1] for kv in (out.k_new, out.v_new))
+    state.draft.append(k_new, v_new, lengths - 1)
     rows = torch.arange(batch, device=device)
     set_pending(state.pending, state.root, features[rows, lengths - 1])
 

@@ -6,11 +6,17 @@ A prefill graph is captured per key `(kind, batch, padded length)` over static p
 (tokens [B, T], lengths [B]): kind "prefill" for a batch prefilled into its bucket's state,
 kind "admit" for requests prefilled into the staging state of their admission batch (the
 smallest bucket that holds them) before `slots.copy_rows` copies their rows into the running
-bucket's free slots. Lengths are `prefill_graph_length`'s, and a key exists only while batch x
+bucket's free slots. Lengths are `prefill_length`'s, and a key exists only while batch x
 length <= `EngineConfig.prefill_graph_tokens`; longer prefills run the compiled forwards,
 whose host work costs 17-39 ms for a 64-token prompt of the embedded model on an H100
 against 2-3 ms replayed (BENCHMARKS.md), which every running request would wait for.
 Each staging state holds `prefill_graph_tokens // batch` positions.
+
+On the CPU (`max_prefill_rows`) prefills run without graphs but shaped like them: batches and
+admissions (into `slots.admit`'s fresh staging state, not a kept one: nothing is captured over
+it) are prefilled in groups of a power of two of slots, each padded to `prefill_length` of its
+longest prompt and at most CPU_PREFILL_ROWS rows (`slots.prefill_groups`), so every forward
+multiplies one of a few row counts.
 """
 
 from __future__ import annotations
@@ -27,13 +33,12 @@ from .graphs import CudaGraphRunner
 from .prefill import (
     allocate_state,
     padded_prompts,
-    prefill,
     prefill_forwards,
-    prefill_graph_length,
+    prefill_length,
     reset_requests,
 )
 from .round import SpecState
-from .slots import admit, copy_rows
+from .slots import admit, copy_rows, max_prefill_rows, prefill_groups
 
 GraphKey = tuple[str, int, int]
 
@@ -70,6 +75,7 @@ class PrefillRunner:
         self._eos_token_ids = tuple(eos_token_ids)
         self._depth = depth
         self._forwards = dict(target_forward=target_forward, draft_forward=draft_forward)
+        self._max_rows = max_prefill_rows(target.lm_head.weight.device)
         self._prompt_buffers: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self._staging: dict[int, SpecState] = {}
 
@@ -79,9 +85,10 @@ class PrefillRunner:
         key = self.key(state, max(map(len, prompts)), kind=kind)
         if key is None:
             head = self._head_for(len(prompts))
-            return prefill(
-                self.target, head, state, prompts, params, self._eos_token_ids, **self._forwards
-            )
+            return prefill_groups(
+                self.target, head, state, prompts, params, self._eos_token_ids,
+                max_rows=self._max_rows, **self._forwards,
+            )  # fmt: skip
         vocab_size = self.target.config.vocab_size
         reset_requests(state, params, self._eos_token_ids, vocab_size=vocab_size)
         tokens, lengths = self._prompt_buffers[key]
@@ -95,7 +102,7 @@ class PrefillRunner:
         batch size (captured now if it is new), or None when such a prefill runs without
         one."""
         batch = state.root.shape[0]
-        length = prefill_graph_length(num_tokens, max_seq_len=self.config.max_seq_len)
+        length = prefill_length(num_tokens, max_length=self.config.max_seq_len)
         if self._runner is None or batch * length > self.config.prefill_graph_tokens:
             return None
         key = (kind, batch, length)
@@ -112,8 +119,8 @@ class PrefillRunner:
     ) -> torch.Tensor:
         """Prefill new requests into free `slots` of `state`, the others untouched: replaying
         the admission graph of the staging state of the smallest bucket that holds them, or
-        (no graphs, or prompts too long for one) `slots.admit` with the compiled forwards.
-        Returns their prefill report [len(slots), 7] int64."""
+        (no graphs, or prompts too long for one) `slots.admit` with the compiled forwards
+        (on the CPU in padded groups). Returns their prefill report [len(slots), 7] int64."""
         if self._runner is not None:
             staging = self.staging(self.config.bucket_for(len(slots)))
             key = self.key(staging, max(map(len, prompts)), kind="admit")
@@ -127,7 +134,7 @@ class PrefillRunner:
                 return report[: len(slots)]
         return admit(
             self.target, self.head, state, slots, prompts, params, self._eos_token_ids,
-            **self._forwards,
+            max_rows=self._max_rows, **self._forwards,
         )  # fmt: skip
 
     def staging(self, batch: int) -> SpecState:

@@ -18,6 +18,10 @@ too long to prefill between two rounds fills a staging state of its own chunk by
 (runtime/chunked_prefill.py) and is installed the same way after its last chunk. Each
 request's random numbers are keyed by its own seed and positions (runtime/rng.py), so where
 and when it is admitted does not change what it samples.
+
+On the CPU a batch or an admission is prefilled in groups of slots, each over views of its
+rows (`slot_view(first=)`, `prefill_groups`), padded and at most `max_prefill_rows` rows a
+forward (`prefill_plan`; runtime/prefill.py says why).
 """
 
 from __future__ import annotations
@@ -31,9 +35,57 @@ from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from .config import SamplingParams
 from .kv_cache import KVCache
-from .prefill import allocate_state, prefill, prefill_columns
+from .prefill import allocate_state, prefill, prefill_columns, prefill_length
 from .round import SpecState
 from .sampling import SamplingTensors
+
+# The most rows (slots x padded length) a CPU prefill forward multiplies, a ladder value
+# (prefill_length): past a few hundred rows a forward's GEMMs outweigh its per-call host work
+# (the embedded model with its head, bfloat16 on 2 cores: about 35 ms of 590 ms at 512
+# rows), so smaller forwards cost little, and oneDNN's memory per row count grows with the
+# rows (about 0.7 MB per weight shape at 256 rows, up to 7 MB at 4096).
+CPU_PREFILL_ROWS = 512
+
+
+def max_prefill_rows(device: torch.device) -> int | None:
+    """The most rows (slots x padded length) a prefill forward on `device` multiplies where
+    no graph runs it, its prompts (and chunks) padded to `prefill_length`'s lengths and
+    grouped by `prefill_plan`; None: one unpadded forward.
+
+    On the CPU, CPU_PREFILL_ROWS: oneDNN's bfloat16 matmul keeps memory for every distinct
+    row count (and weight shape) it multiplies and never releases it, so the row counts a
+    process ever multiplies must stay a small set. float32 and float16 prefills, whose
+    matmuls keep nothing, are shaped the same way: one code path for every dtype, at the
+    cost of the padded columns (at most a third of them). Elsewhere (CUDA) prefills without
+    a graph run unpadded."""
+    return CPU_PREFILL_ROWS if device.type == "cpu" else None
+
+
+def prefill_plan(
+    prompt_lengths: Sequence[int], *, max_rows: int, capacity: int
+) -> list[tuple[int, int, int]]:
+    """How a CPU prefill of prompts of these lengths runs (`max_prefill_rows`): one forward
+    per (first slot, slots, padded length), slots in order. Each group is a power of two of
+    consecutive slots padded to `prefill_length` of its longest prompt (at most `capacity`),
+    as many as fit in `max_rows` rows (slots x length), at least one: so every forward's
+    rows are a ladder value up to max_rows or, for a prompt longer than that, its own
+    padded length; and a short prompt is not padded to a long one's length."""
+    plan = []
+    first = 0
+    while first < len(prompt_lengths):
+        size = 1
+        while first + 2 * size <= len(prompt_lengths):
+            length = _group_length(prompt_lengths[first : first + 2 * size], capacity)
+            if 2 * size * length > max_rows:
+                break
+            size *= 2
+        plan.append((first, size, _group_length(prompt_lengths[first : first + size], capacity)))
+        first += size
+    return plan
+
+
+def _group_length(prompt_lengths: Sequence[int], capacity: int) -> int:
+    return prefill_length(max(prompt_lengths), max_length=capacity)
 
 
 def admit(
@@ -45,17 +97,22 @@ def admit(
     params: Sequence[SamplingParams],
     eos_token_ids: Sequence[int],
     *,
+    max_rows: int | None = None,
     target_forward: Callable | None = None,
     draft_forward: Callable | None = None,
 ) -> torch.Tensor:
     """Prefill one request per slot into `slots` of `state`, leaving every other slot as it
     is. The slots must be free (done); the caller checks that prompt + max_new_tokens fit.
 
+    max_rows: prefill in padded groups of forwards of at most this many rows
+    (`prefill_groups`; None: one unpadded forward).
     Returns the prefill report [len(slots), 7] int64 (ReportColumns: the root token emitted)
     of the admitted slots, in `slots` order.
     """
     assert len(slots) == len(prompts) == len(params) > 0, (slots, len(prompts), len(params))
     num_columns = prefill_columns(prompts)
+    if max_rows is not None:
+        num_columns = prefill_length(num_columns, max_length=state.target.capacity)
     staging = allocate_state(
         target,
         head,
@@ -63,13 +120,14 @@ def admit(
         capacity=num_columns,
         depth=0 if state.pending is None else state.pending.tokens.shape[1] - 1,
     )
-    report = prefill(
+    report = prefill_groups(
         target,
         head,
         staging,
         prompts,
         params,
         eos_token_ids,
+        max_rows=max_rows,
         target_forward=target_forward,
         draft_forward=draft_forward,
     )
@@ -110,43 +168,76 @@ def slot_index(slots: Sequence[int], device: torch.device) -> torch.Tensor:
     return index.to(device, non_blocking=True)
 
 
-def slot_view(state: SpecState, num_slots: int) -> SpecState:
-    """The state of the first `num_slots` slots: views sharing the store's memory (contiguous
-    along the slot dimension, so their strides do not depend on `num_slots`)."""
-    if state.root.shape[0] == num_slots:
+def slot_view(state: SpecState, num_slots: int, *, first: int = 0) -> SpecState:
+    """The state of `num_slots` slots from slot `first` (by default the first ones): views
+    sharing the store's memory (contiguous along the slot dimension, so their strides do not
+    depend on `num_slots`)."""
+    if first == 0 and state.root.shape[0] == num_slots:
         return state
+    rows = slice(first, first + num_slots)
 
     def cache(c: KVCache | None) -> KVCache | None:
-        return None if c is None else KVCache(c.k[:, :num_slots], c.v[:, :num_slots],
-                                                c.lengths[:num_slots])  # fmt: skip
+        return None if c is None else KVCache(c.k[:, rows], c.v[:, rows], c.lengths[rows])
 
-    num_output = state.num_output[:num_slots]
+    num_output = state.num_output[rows]
     sampling = state.sampling
     return SpecState(
         target=cache(state.target),
         draft=cache(state.draft),
-        root=state.root[:num_slots],
+        root=state.root[rows],
         pending=None
         if state.pending is None
         else type(state.pending)(
-            *(getattr(state.pending, f.name)[:num_slots] for f in dataclasses.fields(state.pending))
+            *(getattr(state.pending, f.name)[rows] for f in dataclasses.fields(state.pending))
         ),
-        output=state.output[:num_slots],
+        output=state.output[rows],
         num_output=num_output,
-        max_new=state.max_new[:num_slots],
-        stop_mask=state.stop_mask[:num_slots],
-        done=state.done[:num_slots],
-        finish=state.finish[:num_slots],
+        max_new=state.max_new[rows],
+        stop_mask=state.stop_mask[rows],
+        done=state.done[rows],
+        finish=state.finish[rows],
         sampling=SamplingTensors(
-            temperature=sampling.temperature[:num_slots],
-            top_k=sampling.top_k[:num_slots],
-            top_p=sampling.top_p[:num_slots],
-            seed=sampling.seed[:num_slots],
+            temperature=sampling.temperature[rows],
+            top_k=sampling.top_k[rows],
+            top_p=sampling.top_p[rows],
+            seed=sampling.seed[rows],
             position=num_output,
-            seeded=sampling.seeded[:num_slots],
+            seeded=sampling.seeded[rows],
             filtered=sampling.filtered,
         ),
     )
+
+
+def prefill_groups(
+    target: Llama,
+    head: DraftHead | None,
+    state: SpecState,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    eos_token_ids: Sequence[int],
+    *,
+    max_rows: int | None = None,
+    target_forward: Callable | None = None,
+    draft_forward: Callable | None = None,
+) -> torch.Tensor:
+    """`prefill` of every slot of `state` (one prompt each): in one forward over prompts
+    padded to the longest (max_rows None), or as `prefill_plan` groups them for forwards of
+    at most `max_rows` rows, each group over views of its slots' rows. Returns the prefill
+    report [B, 7] int64."""
+    forwards = dict(target_forward=target_forward, draft_forward=draft_forward)
+    if max_rows is None:
+        return prefill(target, head, state, prompts, params, eos_token_ids, **forwards)
+    plan = prefill_plan(
+        [len(p) for p in prompts], max_rows=max_rows, capacity=state.target.capacity
+    )
+    reports = []
+    for first, size, length in plan:
+        rows = slice(first, first + size)
+        group = slot_view(state, size, first=first)
+        report = prefill(target, head, group, prompts[rows], params[rows], eos_token_ids,
+                         length=length, **forwards)  # fmt: skip
+        reports.append(report)
+    return reports[0] if len(reports) == 1 else torch.cat(reports)
 
 
 def release(state: SpecState, slots: Sequence[int]) -> None:

@@ -56,11 +56,16 @@ def _alone(target, prompt, params) -> list[int]:
     return reference_generate(target, [prompt], params)[0].token_ids
 
 
+@pytest.mark.parametrize("max_rows", [None, 16, 512], ids=["unpadded", "pieces", "padded"])
 @pytest.mark.parametrize("kind", ["plain", "perfect", "eagle3"])
 @pytest.mark.parametrize("chunk", [1, 4, 7, 29, 30])
-def test_the_staging_state_after_the_chunks_is_a_whole_prefills(models, kind, chunk):
+def test_the_staging_state_after_the_chunks_is_a_whole_prefills(models, kind, chunk, max_rows):
+    """Padded chunks, whole or in pieces of at most max_rows tokens (as on the CPU), too:
+    their padding rows leave no trace in the state."""
     target, head = models[kind]
-    chunked = ChunkedPrefill(target, head, LONG_PROMPT, SEEDED, eos_token_ids=(), depth=3)
+    chunked = ChunkedPrefill(
+        target, head, LONG_PROMPT, SEEDED, eos_token_ids=(), depth=3, max_rows=max_rows
+    )
     whole = allocate_state(target, head, batch_size=1, capacity=len(LONG_PROMPT), depth=3)
     with torch.no_grad():
         reports = [chunked.run(chunk)]

@@ -118,6 +118,28 @@ def test_bad_config_is_refused():
         TreeShape(depth=1, topk=2, num_nodes=9)
 
 
+@pytest.mark.parametrize(
+    ("capabilities", "want"),
+    [
+        ({"avx512_bf16": True, "amx_bf16": False}, torch.bfloat16),
+        ({"avx512_bf16": False, "amx_bf16": True}, torch.bfloat16),
+        ({"avx512_bf16": False, "amx_bf16": False, "avx512_f": True}, torch.float32),
+        ({"architecture": "arm64", "bf16": True}, torch.float32),
+    ],
+)
+def test_auto_dtype_is_bfloat16_where_the_cpu_multiplies_it_natively(
+    monkeypatch, capabilities, want
+):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    assert EngineConfig(device="cpu").resolved_dtype() == want
+    assert EngineConfig(device="cpu", dtype="float32").resolved_dtype() == torch.float32
+    assert EngineConfig(device="cpu", dtype="bfloat16").resolved_dtype() == torch.bfloat16
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert EngineConfig(device="cpu").resolved_dtype() == torch.float32
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    assert EngineConfig(device="cpu").resolved_dtype() == torch.float32
+
+
 def test_batches_above_the_largest_bucket_are_queued_or_refused(engine):
     params = SamplingParams(max_new_tokens=2)
     prompts = [[1, 2, 3 + i] for i in range(6)]

@@ -1,7 +1,7 @@
 """The device side of a prefill over prompts padded past their length, as a prefill graph runs it.
 
 A CUDA-graph prefill (decoder.py) pads every prompt of a batch to the graph's length
-(`prefill_graph_length`) and replays `prefill_forwards` over those static buffers, after
+(`prefill_length`) and replays `prefill_forwards` over those static buffers, after
 `reset_requests`. Here, on the CPU and in float64, padding a batch to any longer length must
 leave exactly the state the unpadded prefill leaves (root, the caches up to each slot's length,
 the draft's pending pair, outputs, report), and running the forwards twice over the same
@@ -24,7 +24,7 @@ from specrun.runtime.prefill import (
     padded_prompts,
     prefill,
     prefill_forwards,
-    prefill_graph_length,
+    prefill_length,
     reset_requests,
 )
 from specrun.runtime.requests import stop_mask
@@ -146,15 +146,15 @@ def test_reset_requests_writes_every_requests_fields(models, params):
 
 
 def test_graph_lengths_step_by_at_most_half_and_stop_at_the_capacity():
-    lengths = [prefill_graph_length(n, max_seq_len=10_000) for n in range(1, 5000)]
+    lengths = [prefill_length(n, max_length=10_000) for n in range(1, 5000)]
     assert lengths[:16] == [16] * 16
     ladder = sorted(set(lengths))
     assert ladder[:9] == [16, 24, 32, 48, 64, 96, 128, 192, 256]
     assert all(b <= 3 * a // 2 for a, b in itertools.pairwise(ladder))
     assert all(n <= length for n, length in enumerate(lengths, start=1))
-    assert prefill_graph_length(1900, max_seq_len=2048) == 2048
-    assert prefill_graph_length(2048, max_seq_len=2048) == 2048
-    assert prefill_graph_length(5, max_seq_len=10) == 10
+    assert prefill_length(1900, max_length=2048) == 2048
+    assert prefill_length(2048, max_length=2048) == 2048
+    assert prefill_length(5, max_length=10) == 10
 
 
 def test_padded_prompts_refuse_a_length_shorter_than_a_prompt():
