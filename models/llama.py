@@ -147,7 +147,10 @@ class Attention(nn.Module):
         q, k = apply_rope(qkv[:, :num_rotated], *rope).split(
             [self.num_heads, self.num_kv_heads], dim=1
         )
-        v = qkv[:, num_rotated:]
+        # Slices of the joint tensor: concatenating them with the cache at B > 1 took the
+        # strided copy kernel, several times slower than the contiguous one.
+        q, k = q.contiguous(), k.contiguous()
+        v = qkv[:, num_rotated:].contiguous()
         k_tree, v_tree = k, v
         if attn.k_side is not None:
             k_tree = torch.cat([attn.k_side[layer], k], dim=2)
