@@ -304,8 +304,7 @@ class Eagle3Head(DraftHead):
         (num_layers layers, the mid layer's first). Returns hidden [B, T, H] and k, v
         [num_layers, B, Hkv, T, D]."""
         rope = self.rotary(positions, features.dtype)
-        if len(self.layers):  # one mask for every layer (a one-layer head builds its own)
-            attn = attn.with_shared_mask()
+        attn = attn.with_shared_mask()
         x, k, v = self.midlayer(self.embed(tokens), features, rope, attn, 0)
         x, k_new, v_new = run_layers(self.layers, x, rope, attn, first_layer=1)
         return x, torch.stack([k, *k_new]), torch.stack([v, *v_new])

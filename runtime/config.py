@@ -55,7 +55,7 @@ def default_trees(draft: str | Path | None = None) -> Mapping[int, TreeShape | S
     if path is None or not path.is_file():
         return DEFAULT_TREES
     try:
-        table = json.loads(path.read_text())["trees"]
+        table = _read_json(path)["trees"]
         trees = {int(bucket): TreeShape(*shape) for bucket, shape in table.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(

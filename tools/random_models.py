@@ -11,6 +11,7 @@ than its shard, never in float32 and never on the host.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,18 +44,8 @@ LLAMA_31_8B = LlamaConfig(
     max_position_embeddings=131072,
 )
 
-LLAMA_31_70B = LlamaConfig(
-    vocab_size=128256,
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_layers=80,
-    num_heads=64,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    rope_scaling=LLAMA3_ROPE,
-    max_position_embeddings=131072,
+LLAMA_31_70B = dataclasses.replace(
+    LLAMA_31_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64
 )
 
 SMOLLM2_135M = LlamaConfig(
