@@ -244,11 +244,14 @@ class AcceptanceBook:
 class RoundCosts:
     """Seconds per round by (bucket, variant key): a moving average of measured rounds, from
     a profile's value when one was loaded (`seed`). A round's first run is not counted (it may
-    pay one-time costs: lazy initialisation, allocator growth, a first compile)."""
+    pay one-time costs: lazy initialisation, allocator growth, a first compile). A `frozen`
+    table keeps what was seeded and ignores the rounds it is told about (a profile of another
+    device replayed here: `specrun eval --cost-profile`)."""
 
     def __init__(self) -> None:
         self._seconds: dict[tuple[int, Hashable], float] = {}
         self._num_seen: dict[tuple[int, Hashable], int] = {}
+        self.frozen = False
 
     def get(self, bucket: int, key: Hashable) -> float | None:
         """The round's cost in seconds, or None until it has run twice (or a profile gave
@@ -261,7 +264,7 @@ class RoundCosts:
         self._num_seen[(bucket, key)] = max(self._num_seen.get((bucket, key), 0), 1)
 
     def observe(self, bucket: int, key: Hashable, seconds: float) -> None:
-        if not math.isfinite(seconds) or seconds <= 0:
+        if self.frozen or not math.isfinite(seconds) or seconds <= 0:
             return
         seen = self._num_seen.get((bucket, key), 0)
         self._num_seen[(bucket, key)] = seen + 1

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .aot import artifact_parts, expected_manifest
+from .config import SamplingParams
 from .decoder import Decoder
 from .round_plan import RoundVariant
 from .slots import restore_rows, save_rows
@@ -175,6 +176,47 @@ def seed(decoder: Decoder, profile: CostProfile) -> None:
             key = variant.cost_key
             if key.tag in rounds:
                 decoder.planner.costs.seed(bucket, key, rounds[key.tag] / 1e3)
+
+
+def replay(decoder: Decoder, profile: CostProfile, params: Sequence[SamplingParams]) -> None:
+    """Make the decoder's policy decide from `profile`, measured on another device or build
+    of the same model and head, and keep its costs (frozen: the rounds run here are not
+    timed into them). Raises ValueError if the profile was measured for another model or
+    head, or lacks a round that requests with any of `params` may run."""
+    current = identity(decoder)
+    names = ("model", "head") if decoder.head is not None else ("model",)
+    differs = [name for name in names if profile.identity.get(name) != current[name]]
+    if differs:
+        raise ValueError(
+            f"the cost profile was measured for another {' and '.join(differs)}; replay a "
+            "profile of the same model and draft head"
+        )
+    missing = sorted(
+        f"{bucket}:{variant.cost_key.tag}"
+        for bucket in decoder.config.buckets
+        for variant in decoder.planner.launchable(bucket, params)
+        if variant.cost_key.tag not in profile.milliseconds.get(bucket, {})
+    )
+    if missing:
+        raise ValueError(
+            f"the cost profile has no cost for the rounds {', '.join(missing)}; measure them "
+            "with `specrun tune` on that device under the same trees (--buckets, --filtered)"
+        )
+    seed(decoder, profile)
+    decoder.planner.costs.frozen = True
+
+
+def charged_seconds(profile: CostProfile, rounds_by_bucket: dict[str, int]) -> float:
+    """What rounds counted as EngineStats.rounds_by_bucket ("bucket:tag" -> rounds) take at
+    the profile's costs."""
+    seconds = 0.0
+    for key, num_rounds in rounds_by_bucket.items():
+        bucket, tag = key.split(":", 1)
+        rounds = profile.milliseconds.get(int(bucket), {})
+        if tag not in rounds:
+            raise ValueError(f"the cost profile has no cost for the round {key}")
+        seconds += num_rounds * rounds[tag] / 1e3
+    return seconds
 
 
 def save_to_artifacts(

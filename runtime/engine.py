@@ -213,6 +213,16 @@ class Engine:
             cost_profile.load_into(self.decoder, path, rebuild="specrun tune")
             self._profiled = True
 
+    def replay_cost_profile(
+        self, profile: cost_profile.CostProfile, params: Sequence[SamplingParams]
+    ) -> None:
+        """Make the speculation policy decide from `profile`, measured on another device for
+        the same model and head, for requests with any of `params`, and keep those costs
+        whatever rounds take here: what that device's policy would choose, run here
+        (cost_profile.replay; `specrun eval --cost-profile`)."""
+        self._scheduler.call(lambda: cost_profile.replay(self.decoder, profile, params))
+        self._profiled = True
+
     def warmup(
         self, *, filtered: bool = False, progress: bool = True, prompt_lengths: Sequence[int] = ()
     ) -> dict[tuple[int, RoundVariant], BucketWarmup]:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..runtime import cost_profile
 from ..runtime.config import (
     POLICY_NAMES,
     EngineConfig,
@@ -32,6 +33,7 @@ from ..runtime.config import (
     default_trees,
     stochastic_trees,
 )
+from ..runtime.cost_profile import CostProfile
 from ..runtime.distill.data import read_prompt_records
 from ..runtime.engine import Engine
 from ..runtime.stats import EngineStats, RequestStats
@@ -87,6 +89,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--plot", default=None, help="also draw the results into this PNG")
+    parser.add_argument(
+        "--cost-profile", type=Path, default=None,
+        help="a `specrun tune --out` profile of another device (same model and head): the "
+        "policies decide from its costs, and every round is charged its milliseconds there "
+        "instead of its time here, so the speed-ups are that device's as these requests "
+        "accept (prefills and host time left out)",
+    )  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.set_defaults(func=run)
@@ -128,8 +137,13 @@ def run(args: argparse.Namespace) -> int:
     # allocates its caches and graphs when first used).
     loaded = Engine.from_pretrained(args.model, draft=args.draft, config=config)
     model, tokenizer, head = loaded.model, loaded.tokenizer, loaded.head
+    profile = None
+    if args.cost_profile is not None:
+        profile = CostProfile.from_json(args.cost_profile.read_text(), path=args.cost_profile)
     plain = Engine(model, tokenizer, config)
-    baselines = {(t, b): measure(plain, prompts, _params(args, t), b)[0] for t, b in points}
+    baselines = {
+        (t, b): measure(plain, prompts, _params(args, t), b, profile=profile)[0] for t, b in points
+    }
     plain.close()
     records = []
     sides = [(shape, "fixed") for shape in shapes] + [(shapes[0], name) for name in args.policy]
@@ -138,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
         side_config = dataclasses.replace(config, trees=trees, policy=policy)
         spec = Engine(model, tokenizer, side_config, head=head, acceptance=loaded.acceptance)
         for temperature, batch_size in points:
-            spec_stats, per_request = measure(spec, prompts, _params(args, temperature), batch_size)
+            spec_stats, per_request = measure(
+                spec, prompts, _params(args, temperature), batch_size, profile=profile
+            )
             record = point_record(
                 side_config.tree_for(batch_size),
                 temperature,
@@ -188,13 +204,21 @@ def _params(args: argparse.Namespace, temperature: float) -> SamplingParams:
 
 
 def measure(
-    engine: Engine, prompts: list, params: SamplingParams, batch_size: int = 1
+    engine: Engine,
+    prompts: list,
+    params: SamplingParams,
+    batch_size: int = 1,
+    *,
+    profile: CostProfile | None = None,
 ) -> tuple[EngineStats, list[RequestStats]]:
     """Decode the prompts `batch_size` at a time (repeated to fill one batch if there are
     fewer: `filled`); returns the statistics of those requests only, and each request's own
     in the order of `filled(prompts, batch_size)`. The graphs (the rounds', and on CUDA the
     prefills' of every prompt length) are prepared and one untimed request is made first, so
-    lazy initialisation is not charged to it."""
+    lazy initialisation is not charged to it. With a `profile` (of another device), the
+    policy decides from its costs and the rounds are charged them (`charged`)."""
+    if profile is not None:
+        engine.replay_cost_profile(profile, [params])
     prompt_lengths = [len(engine.encode_prompt(prompt)) for prompt in prompts]
     engine.warmup(progress=False, prompt_lengths=prompt_lengths)
     engine.generate(prompts[0], _warmup_params(params))
@@ -208,7 +232,17 @@ def measure(
     per_request = []
     for batch in tqdm(batches, desc=desc, unit="batch"):
         per_request += [output.stats for output in engine.generate(batch, params)]
-    return _since(before, engine.stats()), per_request
+    stats = _since(before, engine.stats())
+    return (stats if profile is None else charged(stats, profile)), per_request
+
+
+def charged(stats: EngineStats, profile: CostProfile) -> EngineStats:
+    """`stats` with its time replaced by what its rounds cost at the profile's milliseconds
+    (no prefill or host time)."""
+    seconds = cost_profile.charged_seconds(profile, stats.rounds_by_bucket)
+    return dataclasses.replace(
+        stats, decode_seconds=seconds, round_seconds=seconds, prefill_seconds=0.0
+    )
 
 
 def filled(items: list, batch_size: int) -> list:

@@ -96,3 +96,61 @@ def test_artifact_profiles_are_found_per_part_and_seed_the_engine(dirs, tmp_path
     (tmp_path / "part-2" / "cost_profile.json").unlink()
     assert not cost_profile.load_from_artifacts(decoder, tmp_path, rebuild="")
     served.close()
+
+
+def _replay_eval(model, head, profile_path, json_path, *options: str) -> list[dict]:
+    argv = ["eval", "--model", str(model), "--draft", str(head), "--prompts", "builtin:heldout"]
+    argv += ["--max-prompts", "2", "--max-new-tokens", "6", "--ignore-eos", "--raw"]
+    argv += ["--device", "cpu", "--dtype", "float32", "--temperatures", "0", "--json"]
+    assert main([*argv, str(json_path), "--cost-profile", str(profile_path), *options]) == 0
+    return [json.loads(line) for line in json_path.read_text().splitlines()]
+
+
+def test_eval_replays_another_devices_costs(dirs, tmp_path, capsys):
+    """`eval --cost-profile`: the policy decides from the profile's costs, which the rounds
+    run here do not move, and each side is charged the profile's milliseconds per round."""
+    model, head = dirs
+    profile_path = tmp_path / "profile.json"
+    argv = ["tune", "--model", str(model), "--draft", str(head), "--buckets", "1"]
+    argv += ["--device", "cpu", "--dtype", "float32", "--max-seq-len", "512", "--rounds", "1"]
+    assert main([*argv, "--out", str(profile_path)]) == 0
+    measured = json.loads(profile_path.read_text())
+    # Another device where every tree round costs a thousand plain steps.
+    measured["identity"]["device"] = "NVIDIA H100 80GB HBM3"
+    measured["milliseconds"]["1"] = {
+        tag: 2.0 if tag == "plain" else 2000.0 for tag in measured["milliseconds"]["1"]
+    }
+    profile_path.write_text(json.dumps(measured))
+    fixed, cost = _replay_eval(
+        model, head, profile_path, tmp_path / "eval.jsonl",
+        "--trees", "7,10,60", "--default-trees", "--policy", "cost",
+    )  # fmt: skip
+    capsys.readouterr()
+    # Plain decoding: one round per token after each request's first (the prefill's).
+    assert fixed["baseline_round_seconds"] == pytest.approx(2 * 5 * 2e-3)
+    assert fixed["rounds_by_shape"] == {"7,10,60": fixed["num_rounds"]}
+    assert fixed["round_seconds"] == pytest.approx(fixed["num_rounds"] * 2.0)
+    assert fixed["speedup"] == pytest.approx(2 * 5 * 2e-3 / (fixed["num_rounds"] * 2.0))
+    assert cost["rounds_by_shape"] == {"plain": 10} and cost["speedup"] == pytest.approx(1.0)
+
+
+def test_a_replayed_profile_must_cover_the_rounds_and_match_the_model(dirs, tmp_path):
+    model, head = dirs
+    config = EngineConfig(device="cpu", buckets=(1,), max_seq_len=64)
+    engine = Engine.from_pretrained(model, draft=head, config=config)
+    own = cost_profile.identity(engine.decoder)
+    greedy = [SamplingParams()]
+    partial = cost_profile.CostProfile(own, {1: {"plain": 1.0, "7,10,60": 3.0}})
+    with pytest.raises(ValueError, match=r"no cost for the rounds 1:3,2,4, 1:4,5,20"):
+        cost_profile.replay(engine.decoder, partial, greedy)
+    tags = ("plain", "7,10,60", "4,5,20", "3,2,4")
+    other = cost_profile.CostProfile({**own, "model": "0123"}, {1: dict.fromkeys(tags, 1.0)})
+    with pytest.raises(ValueError, match="another model"):
+        cost_profile.replay(engine.decoder, other, greedy)
+    whole = cost_profile.CostProfile(own, {1: dict.fromkeys(tags, 1.0)})
+    cost_profile.replay(engine.decoder, whole, greedy)
+    [plain] = [v for v in engine.decoder.planner.candidates(1, greedy) if v.tree is None]
+    engine.decoder.planner.done(1, plain, 5.0, [0])
+    engine.decoder.planner.done(1, plain, 5.0, [0])
+    assert engine.decoder.planner.costs.get(1, plain) == pytest.approx(1e-3)
+    engine.close()
