@@ -8,11 +8,14 @@ acceptance is a = 1 - (1 - alpha)^w, and the accepted length of a depth-D tree i
 sum_{d=1..D} a^d (levels accepted one after another, as the walk goes). Every speculative
 round refines alpha from what the request accepted under the shape it ran (a smoothed
 per-level rate mapped back through the width). Plain rounds say nothing about it, so each one
-moves it a step back towards the running mean of the engine's requests of its kind
+moves it a small step back towards the running mean of the engine's requests of its kind
 (`STALE_RATE`; greedy and sampling requests keep separate means, as they accept very
 differently): a request that fell back to plain decoding after a few poor rounds is tried
-again unless such requests accept little in general (acceptance moves with the text; a
-stale low estimate would keep the request plain for good). Once a plain round has left a
+again, after a hundred plain rounds or so, unless such requests accept little in general
+(acceptance moves with the text; a stale low estimate would keep the request plain for
+good). The step is small because the exploring rounds (runtime/policy.py) measure such a
+request again anyway, and a faster drift made a static batch retry trees on its slowest
+request every few rounds. Once a plain round has left a
 request's draft behind for good (`in_step` False: see RoundPlanner.plan) no tree is
 expected to accept anything for it. A speculative round also reports, at the root, the
 draft's confidence and the KL divergence of its distribution from the target's
@@ -47,7 +50,7 @@ MEASURED_ROUNDS = 16
 # mean has seen enough rounds (before: 1 / (rounds seen + 2), the prior one of them).
 PRIOR_RATE = 0.05
 # The step back towards the engine's running mean alpha of a request's alpha per plain round.
-STALE_RATE = 0.1
+STALE_RATE = 0.01
 # Weight of one round in a round cost's moving average.
 COST_RATE = 0.2
 
