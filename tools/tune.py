@@ -5,18 +5,26 @@ instead of measuring each shape as it first runs.
 Prints, per bucket, each shape's milliseconds and its break-even accepted length: the draft
 tokens a request must accept per round for the shape to match plain decoding
 (cost / plain cost - 1).
+
+`--stochastic` measures the default trees' stochastic forms (the sampled rounds of every
+bucket) and `--trees` also each given shape fixed in every bucket, so that the profile
+covers what `specrun eval --stochastic --default-trees --trees ...` runs and can be
+replayed there (`eval --cost-profile`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 from pathlib import Path
 
 from ..models.default import cache_root
 from ..runtime import cost_profile
-from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees
+from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
 from ..runtime.engine import Engine
+from ..runtime.tree import TreeShape
+from .eval import parse_tree_shape
 from .generate import add_compile_argument, add_model_arguments, compile_choice, draft_dir
 from .serve import random_8b_engine
 
@@ -39,6 +47,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per shape")
     parser.add_argument("--filtered", action="store_true", help="also the top-k/top-p rounds")
     parser.add_argument(
+        "--stochastic", action="store_true",
+        help="the default trees' stochastic forms (their sampled rounds), as `eval "
+        "--stochastic --default-trees` runs them",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trees", type=parse_tree_shape, nargs="+", default=[], metavar="D,K,N",
+        help="also each of these shapes alone in every bucket, as `eval --trees` runs them",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", type=Path, default=None,
         help="write the profile here (default: the cache, where engines look for it)",
     )  # fmt: skip
@@ -50,12 +67,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     if args.random_8b and (args.model or args.draft):
         raise ValueError("--random-8b builds its own model and head; drop --model/--draft")
+    if args.trees and args.no_draft:
+        raise ValueError("--trees needs a draft head; drop --no-draft")
     draft = None if args.random_8b else draft_dir(args)
+    trees = default_trees(draft)
     config = EngineConfig(
         device=args.device,
         dtype=args.dtype,
         buckets=tuple(args.buckets),
-        trees=default_trees(draft),
+        trees=stochastic_trees(trees) if args.stochastic else trees,
         max_seq_len=args.max_seq_len,
         compile=compile_choice(args),
     )
@@ -67,12 +87,33 @@ def run(args: argparse.Namespace) -> int:
         engine.decoder, num_rounds=args.rounds, filtered=args.filtered, command=command(args)
     )
     out = args.out or cost_profile.profile_path(engine.decoder, cache_root())
+    modules = engine.model, engine.tokenizer, engine.head
+    engine.close()
+    for shape in args.trees:
+        fixed = _measure_fixed(modules, config, shape, args)
+        for bucket, rounds in fixed.milliseconds.items():
+            for tag, ms in rounds.items():
+                profile.milliseconds[bucket].setdefault(tag, ms)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile.to_json())
-    engine.close()
     print(table(profile))
     print(f"wrote {out}")
     return 0
+
+
+def _measure_fixed(
+    modules: tuple, config: EngineConfig, shape: TreeShape, args: argparse.Namespace
+) -> cost_profile.CostProfile:
+    """The rounds of `shape` (stochastic with --stochastic) run fixed in every bucket, on an
+    engine over `modules` (the model, tokenizer and head of the tuned engine)."""
+    model, tokenizer, head = modules
+    shape = dataclasses.replace(shape, stochastic=args.stochastic)
+    fixed_config = dataclasses.replace(config, trees={1: shape}, policy="fixed")
+    fixed = Engine(model, tokenizer, fixed_config, head=head)
+    try:
+        return cost_profile.measure(fixed.decoder, num_rounds=args.rounds, filtered=args.filtered)
+    finally:
+        fixed.close()
 
 
 def command(args: argparse.Namespace) -> str:
@@ -86,6 +127,9 @@ def command(args: argparse.Namespace) -> str:
     words += ["--buckets", *map(str, args.buckets), "--max-seq-len", str(args.max_seq_len)]
     words += ["--device", args.device, "--dtype", args.dtype, "--rounds", str(args.rounds)]
     words += ["--filtered"] if args.filtered else []
+    words += ["--stochastic"] if args.stochastic else []
+    if args.trees:
+        words += ["--trees", *(f"{t.depth},{t.topk},{t.num_nodes}" for t in args.trees)]
     return shlex.join(words)
 
 

@@ -134,6 +134,21 @@ def test_eval_replays_another_devices_costs(dirs, tmp_path, capsys):
     assert cost["rounds_by_shape"] == {"plain": 10} and cost["speedup"] == pytest.approx(1.0)
 
 
+def test_tune_measures_the_stochastic_ladders_and_fixed_shapes_eval_replays(dirs, tmp_path):
+    """`tune --stochastic --trees`: every bucket's sampled rounds and each given shape in
+    every bucket, the rounds `eval --stochastic --default-trees --trees` runs."""
+    model, head = dirs
+    out = tmp_path / "profile.json"
+    argv = ["tune", "--model", str(model), "--draft", str(head), "--buckets", "1", "2"]
+    argv += ["--device", "cpu", "--max-seq-len", "64", "--rounds", "1", "--out", str(out)]
+    assert main([*argv, "--stochastic", "--trees", "5,4,9"]) == 0
+    profile = json.loads(out.read_text())
+    assert {"6,8,48", "6,8,48s", "3,4,16s", "plain"} <= set(profile["milliseconds"]["2"])
+    for bucket in ("1", "2"):
+        assert {"5,4,9", "5,4,9s"} <= set(profile["milliseconds"][bucket])
+    assert profile["command"].endswith("--stochastic --trees 5,4,9")
+
+
 def test_a_replayed_profile_must_cover_the_rounds_and_match_the_model(dirs, tmp_path):
     model, head = dirs
     config = EngineConfig(device="cpu", buckets=(1,), max_seq_len=64)
