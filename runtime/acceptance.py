@@ -15,12 +15,11 @@ again, after a hundred plain rounds or so, unless such requests accept little in
 (acceptance moves with the text; a stale low estimate would keep the request plain for
 good). The step is small because the exploring rounds (runtime/policy.py) measure such a
 request again anyway, and a faster drift made a static batch retry trees on its slowest
-request every few rounds. Once a plain round has left a
-request's draft behind for good (`in_step` False: see RoundPlanner.plan) no tree is
-expected to accept anything for it. A speculative round also reports, at the root, the
-draft's confidence and the KL divergence of its distribution from the target's
-(round.acceptance_signals); each request keeps their moving averages and the KL's variance
-(DSDE's stability signal).
+request every few rounds. Once a plain round has left a request's draft behind for good
+(`in_step` False: see RoundPlanner.plan) no tree is expected to accept anything for it. A
+speculative round also reports, at the root, the draft's confidence and the KL divergence
+of its distribution from the target's (round.acceptance_signals); each request keeps their
+moving averages and the KL's variance (DSDE's stability signal).
 
 A draft head may ship what it accepted when it was measured (`MeasuredAcceptance`, the
 `accepted` entry of its trees.json): the engine's running means then start from it, weighted

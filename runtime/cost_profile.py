@@ -200,7 +200,8 @@ def replay(decoder: Decoder, profile: CostProfile, params: Sequence[SamplingPara
     if missing:
         raise ValueError(
             f"the cost profile has no cost for the rounds {', '.join(missing)}; measure them "
-            "with `specrun tune` on that device under the same trees (--buckets, --filtered)"
+            "with `specrun tune` on that device under the same trees (--buckets, --filtered, "
+            "--stochastic, --trees)"
         )
     seed(decoder, profile)
     decoder.planner.costs.frozen = True

@@ -316,14 +316,14 @@ def _tokens_per_second(
     """The batch's expected tokens per second under `candidate` (expected accepted drafts
     times `calibration`; with `at_prior`, of requests accepting what their kind does on
     average); while no request waits (every `remaining` known), the rate at which its
-    slowest request ends instead (the least of the requests' progress
-    per round through what remains of them), scaled to the batch's tokens."""
+    slowest request ends instead (the least of the requests' progress per round through what
+    remains of them), scaled to the batch's tokens."""
     gains = [1.0 + calibration * r.expected(candidate.tree, at_prior=at_prior) for r in requests]
     if not requests or any(r.remaining is None for r in requests):
         return sum(gains) / seconds
     total = sum(max(r.remaining, 1) for r in requests)
-    progress = sorted(g / max(r.remaining, 1) for g, r in zip(gains, requests, strict=True))
-    return min(progress) * total / seconds
+    progress = min(g / max(r.remaining, 1) for g, r in zip(gains, requests, strict=True))
+    return progress * total / seconds
 
 
 class BatchTablePolicy(Policy):

@@ -33,7 +33,6 @@ from ..runtime.config import (
     default_trees,
     stochastic_trees,
 )
-from ..runtime.cost_profile import CostProfile
 from ..runtime.distill.data import read_prompt_records
 from ..runtime.engine import Engine
 from ..runtime.stats import EngineStats, RequestStats
@@ -139,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, head = loaded.model, loaded.tokenizer, loaded.head
     profile = None
     if args.cost_profile is not None:
-        profile = CostProfile.from_json(args.cost_profile.read_text(), path=args.cost_profile)
+        text = args.cost_profile.read_text()
+        profile = cost_profile.CostProfile.from_json(text, path=args.cost_profile)
     plain = Engine(model, tokenizer, config)
     baselines = {
         (t, b): measure(plain, prompts, _params(args, t), b, profile=profile)[0] for t, b in points
@@ -209,7 +209,7 @@ def measure(
     params: SamplingParams,
     batch_size: int = 1,
     *,
-    profile: CostProfile | None = None,
+    profile: cost_profile.CostProfile | None = None,
 ) -> tuple[EngineStats, list[RequestStats]]:
     """Decode the prompts `batch_size` at a time (repeated to fill one batch if there are
     fewer: `filled`); returns the statistics of those requests only, and each request's own
@@ -236,7 +236,7 @@ def measure(
     return (stats if profile is None else charged(stats, profile)), per_request
 
 
-def charged(stats: EngineStats, profile: CostProfile) -> EngineStats:
+def charged(stats: EngineStats, profile: cost_profile.CostProfile) -> EngineStats:
     """`stats` with its time replaced by what its rounds cost at the profile's milliseconds
     (no prefill or host time)."""
     seconds = cost_profile.charged_seconds(profile, stats.rounds_by_bucket)

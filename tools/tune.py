@@ -23,6 +23,7 @@ from ..models.default import cache_root
 from ..runtime import cost_profile
 from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
 from ..runtime.engine import Engine
+from ..runtime.round_plan import tree_label
 from ..runtime.tree import TreeShape
 from .eval import parse_tree_shape
 from .generate import add_compile_argument, add_model_arguments, compile_choice, draft_dir
@@ -129,7 +130,7 @@ def command(args: argparse.Namespace) -> str:
     words += ["--filtered"] if args.filtered else []
     words += ["--stochastic"] if args.stochastic else []
     if args.trees:
-        words += ["--trees", *(f"{t.depth},{t.topk},{t.num_nodes}" for t in args.trees)]
+        words += ["--trees", *map(tree_label, args.trees)]
     return shlex.join(words)
 
 
