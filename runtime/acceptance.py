@@ -33,6 +33,7 @@ host has read (GPU time on CUDA), seeded from a measured profile when there is o
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -52,6 +53,11 @@ PRIOR_RATE = 0.05
 STALE_RATE = 0.01
 # Weight of one round in a round cost's moving average.
 COST_RATE = 0.2
+# Speculative rounds after which a request's own estimate decides for it in a static batch,
+# and a finished request joins its kind's spread (AcceptanceBook.slowest_of); how many
+# finished requests a kind keeps, and how many it needs before its spread is used.
+SPREAD_ROUNDS = 4
+SPREAD_KEPT, SPREAD_MIN = 256, 8
 
 
 def level_width(tree: TreeShape | StaticTree) -> float:
@@ -129,6 +135,11 @@ class AcceptanceEstimate:
     remaining: the tokens the request may still generate, set by the scheduler before each
         round while no request waits for a slot (the batch then runs until its longest
         request ends); None while some do.
+    slowest: while no request waits, the alpha of the slowest of the batch's requests as its
+        kind's finished requests spread (AcceptanceBook.slowest_of); None while some wait or
+        the kind has not finished enough requests.
+    typical_alpha: the mean of alpha over the request's speculative rounds (what it accepts
+        over its whole text, for its kind's spread).
     """
 
     alpha: float = PRIOR_ALPHA
@@ -145,6 +156,8 @@ class AcceptanceEstimate:
     last_depth: int = 0
     mean_accepted: float = 0.0
     remaining: int | None = None
+    slowest: float | None = None
+    typical_alpha: float = 0.0
 
     def observe(
         self,
@@ -174,28 +187,44 @@ class AcceptanceEstimate:
         failures = 1 if num_accepted < tree.depth else 0
         level = (num_accepted + prior_level) / (num_accepted + failures + 1)
         self.alpha = _blend(self.alpha, chain_acceptance(level, width), ALPHA_RATE)
+        self.typical_alpha += (self.alpha - self.typical_alpha) / self.num_speculative_rounds
 
     @property
     def divergence_std(self) -> float:
         """The standard deviation of the root KL divergence over recent rounds."""
         return math.sqrt(max(self.divergence_square - self.divergence**2, 0.0))
 
-    def expected(self, tree: TreeShape | StaticTree | None, *, at_prior: bool = False) -> float:
+    def expected(
+        self,
+        tree: TreeShape | StaticTree | None,
+        *,
+        at_prior: bool = False,
+        as_slowest: bool = False,
+    ) -> float:
         """Expected accepted draft tokens of one round of `tree` (0 for plain, and once the
-        draft was left behind); with `at_prior`, for a request of its kind on average."""
+        draft was left behind); with `at_prior`, for a request of its kind on average; with
+        `as_slowest`, no more than `slowest` accepts until the request has run
+        SPREAD_ROUNDS speculative rounds (so a static batch of new requests is judged by the
+        slowest its kind's spread makes likely, not by the mean)."""
         if not self.in_step:
             return 0.0
-        return expected_accepted(self.prior if at_prior else self.alpha, tree)
+        alpha = self.prior if at_prior else self.alpha
+        new = self.num_speculative_rounds < SPREAD_ROUNDS
+        if as_slowest and new and self.slowest is not None:
+            alpha = min(alpha, self.slowest)
+        return expected_accepted(alpha, tree)
 
 
 @dataclass
 class AcceptanceBook:
     """The estimates of the requests decoding, and per kind of request (greedy or sampling,
-    say) the running mean alpha that new requests of that kind start from."""
+    say) the running mean alpha that new requests of that kind start from and the typical
+    alphas of its last finished requests (`spread`)."""
 
     priors: dict[Hashable, float] = field(default_factory=dict)
     estimates: dict[Hashable, AcceptanceEstimate] = field(default_factory=dict)
     num_observed: dict[Hashable, int] = field(default_factory=dict)
+    spread: dict[Hashable, deque[float]] = field(default_factory=dict)
 
     @classmethod
     def starting_from(cls, measured: MeasuredAcceptance | None) -> AcceptanceBook:
@@ -239,8 +268,21 @@ class AcceptanceBook:
             self.priors[estimate.kind] = _blend(prior, estimate.alpha, rate)
 
     def forget(self, request: Hashable) -> None:
-        """Drop a finished request's estimate."""
-        self.estimates.pop(request, None)
+        """Drop a finished request's estimate; one that ran SPREAD_ROUNDS speculative rounds
+        joins its kind's spread."""
+        estimate = self.estimates.pop(request, None)
+        if estimate is not None and estimate.num_speculative_rounds >= SPREAD_ROUNDS:
+            kept = self.spread.setdefault(estimate.kind, deque(maxlen=SPREAD_KEPT))
+            kept.append(estimate.typical_alpha)
+
+    def slowest_of(self, kind: Hashable, num_requests: int) -> float | None:
+        """The alpha the slowest of `num_requests` new requests of `kind` is likely to have:
+        the 1 / (num_requests + 1) quantile of the kind's spread (None below SPREAD_MIN
+        finished requests)."""
+        found = sorted(self.spread.get(kind, ()))
+        if len(found) < SPREAD_MIN:
+            return None
+        return found[int(len(found) / (num_requests + 1))]
 
 
 class RoundCosts:

@@ -17,7 +17,10 @@ Policies, by `EngineConfig.policy` name:
   times their cost (the most, over the requests, of remaining tokens / (1 + expected
   accepted drafts)). Where a tree costs twice a plain step, overrating the slowest request
   costs more than underrating it: a lower quartile of the requests instead kept trees
-  running at batch 16 that the slowest request did not pay for.
+  running at batch 16 that the slowest request did not pay for. A request that has not yet
+  run a few speculative rounds is expected to accept no more than the slowest of a batch
+  of its size that its kind's finished requests make likely (`AcceptanceBook.slowest_of`):
+  the kind's mean says little about a batch's slowest request.
   The expectation for a sampled (stochastic) tree is calibrated by what that tree's rounds
   accepted against what was expected of them (a moving ratio: the model extrapolates one
   chain acceptance to every tree, and sampled children, drawn with repeats, accept less
@@ -317,10 +320,15 @@ def _tokens_per_second(
     times `calibration`; with `at_prior`, of requests accepting what their kind does on
     average); while no request waits (every `remaining` known), the rate at which its
     slowest request ends instead (the least of the requests' progress per round through what
-    remains of them), scaled to the batch's tokens."""
-    gains = [1.0 + calibration * r.expected(candidate.tree, at_prior=at_prior) for r in requests]
+    remains of them, new requests judged by the slowest their kind's spread makes likely:
+    AcceptanceEstimate.expected's `as_slowest`), scaled to the batch's tokens."""
+    tree = candidate.tree
     if not requests or any(r.remaining is None for r in requests):
+        gains = [1.0 + calibration * r.expected(tree, at_prior=at_prior) for r in requests]
         return sum(gains) / seconds
+    gains = [
+        1.0 + calibration * r.expected(tree, at_prior=at_prior, as_slowest=True) for r in requests
+    ]
     total = sum(max(r.remaining, 1) for r in requests)
     progress = min(g / max(r.remaining, 1) for g, r in zip(gains, requests, strict=True))
     return progress * total / seconds

@@ -395,6 +395,9 @@ class Scheduler:
         for handle, estimate in zip(live, estimates, strict=True):
             left = handle.params.max_new_tokens - len(handle.token_ids)
             estimate.remaining = left if nobody_waits else None
+            estimate.slowest = (
+                self._acceptance.slowest_of(estimate.kind, len(live)) if nobody_waits else None
+            )
         variant = self.decoder.planner.plan(bucket, params, estimates)
         if self.decoder.use_graphs and (bucket, variant) not in self.decoder.warmups:
             self.decoder.prepare(bucket, variant=variant, prefill=False)

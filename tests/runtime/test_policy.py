@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specrun.runtime.acceptance import (
+    SPREAD_ROUNDS,
     STALE_RATE,
     AcceptanceBook,
     AcceptanceEstimate,
@@ -178,6 +179,40 @@ def test_with_nobody_waiting_cost_speeds_the_slowest_requests():
     assert CostPolicy().choose(1, LADDER, batch(5, 2), costs) == LADDER[0]
     lone = [AcceptanceEstimate(alpha=0.05, remaining=100)]
     assert CostPolicy().choose(1, LADDER, lone, costs) == PLAIN
+
+
+def test_a_static_batch_of_new_requests_is_judged_by_its_kinds_spread():
+    """Finished requests of a kind, a quarter of which accepted nothing: one new request
+    alone is expected to be a typical one (the tree pays), the slowest of 16 new ones a poor
+    one (plain decoding, leaving their drafts behind), until their own speculative rounds
+    decide; with requests waiting the spread does not count."""
+    book = AcceptanceBook()
+    for request in range(16):
+        for _ in range(16 * SPREAD_ROUNDS):
+            book.observe(request, DEEP, DEEP.depth if request % 4 else 0)
+        book.forget(request)
+    typical = sorted(book.spread[None])
+    assert book.slowest_of(None, 1) == typical[8] and book.slowest_of(None, 16) == typical[0]
+    assert typical[0] < 0.1 < 0.5 < typical[8]
+    costs = _costs(GPU_COSTS)
+
+    def new_batch(size: int) -> list[AcceptanceEstimate]:
+        batch = [book.get(("new", size, i)) for i in range(size)]
+        for estimate in batch:
+            estimate.remaining, estimate.slowest = 100, book.slowest_of(None, size)
+        return batch
+
+    assert CostPolicy().choose(1, LADDER, new_batch(1), costs) == LADDER[0]
+    policy = CostPolicy()
+    assert policy.choose(1, LADDER, new_batch(16), costs) == PLAIN
+    assert policy.leaves_draft_behind(1)  # plain rounds then cost a bare step
+    waiting = [dataclasses.replace(e, remaining=None, slowest=None) for e in new_batch(16)]
+    assert CostPolicy().choose(1, LADDER, waiting, costs) == LADDER[0]
+    measured = new_batch(16)
+    for estimate in measured:
+        estimate.num_speculative_rounds = SPREAD_ROUNDS
+    assert CostPolicy().choose(1, LADDER, measured, costs) == LADDER[0]
+    assert AcceptanceBook().slowest_of(None, 4) is None
 
 
 def test_greedy_and_sampling_requests_keep_their_own_running_means():
