@@ -32,6 +32,7 @@ host has read (GPU time on CUDA), seeded from a measured profile when there is o
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Hashable
@@ -60,6 +61,7 @@ SPREAD_ROUNDS = 4
 SPREAD_KEPT, SPREAD_MIN = 256, 8
 
 
+@functools.cache
 def level_width(tree: TreeShape | StaticTree) -> float:
     """Candidates a level of the tree offers the walk, on average (at least 1)."""
     per_level = (tree.num_nodes - 1) / tree.depth
@@ -74,7 +76,9 @@ def expected_accepted(alpha: float, tree: TreeShape | StaticTree | None) -> floa
     if tree is None:
         return 0.0
     level = 1.0 - (1.0 - alpha) ** level_width(tree)
-    return sum(level**d for d in range(1, tree.depth + 1))
+    if level >= 1.0:
+        return float(tree.depth)
+    return level * (1.0 - level**tree.depth) / (1.0 - level)
 
 
 def alpha_for(accepted: float, tree: TreeShape | StaticTree) -> float:
