@@ -33,7 +33,8 @@ Policies, by `EngineConfig.policy` name:
   rounds are measured).
   When plain decoding wins by `LEAVE_BEHIND_MARGIN` even for requests that accept what
   their kind accepts on average (the engine's running mean, not one request's recent
-  rounds, which dip and recover with the text), the policy lets the live requests' drafts
+  rounds, which dip and recover with the text; in a static batch, new requests capped at
+  their kind's likely slowest as above), the policy lets the live requests' drafts
   fall behind for good (`leaves_draft_behind`): the planner then runs bare plain steps,
   which neither append to nor commit the pending pairs, so plain decoding costs what it
   costs without a head. Requests that have not yet run a tree take the exploring rounds
@@ -232,7 +233,8 @@ class CostPolicy(_ExploringPolicy):
 
     def _hopeless(self, bucket, candidates, requests, costs, plain_rate: float) -> bool:
         """Whether plain decoding (at `plain_rate`) beats every tree by LEAVE_BEHIND_MARGIN
-        for requests accepting what their kind accepts on average (some still in step)."""
+        for requests accepting what their kind accepts on average, new ones in a static batch
+        no more than its likely slowest (some still in step)."""
         speculative = _speculative(candidates)
         if not speculative or not any(r.in_step for r in requests):
             return False
