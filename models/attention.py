@@ -138,12 +138,33 @@ def tree_attention(
         )
     else:
         cache_size = mask.shape[-1] - k_tree.shape[2]
-        k_cache, v_cache = k_cache[:, :, :cache_size], v_cache[:, :, :cache_size]
+        k = torch.cat([k_cache[:, :, :cache_size], k_tree], dim=2)
+        v = torch.cat([v_cache[:, :, :cache_size], v_tree], dim=2)
+        return _grouped_query_attention(q, k, v, mask, scale=scale)
     k = torch.cat([k_cache, k_tree], dim=2)
     v = torch.cat([v_cache, v_tree], dim=2)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def _grouped_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float
+) -> torch.Tensor:
+    """SDPA of q [B, Hq, M, D] over k, v [B, Hkv, S, D] with mask [B, 1, M, S], the query
+    heads that share a key/value head stacked as that head's queries ([B, Hkv, G * M, D]).
+    The CPU's SDPA runs one small product per (head, query block): at a decode step's single
+    query, `enable_gqa` over 9 query heads took 4x the time of 3 heads of 3 queries
+    (SmolLM2 shapes, bf16, 300 keys: 121 against 29 us a layer)."""
+    batch, num_heads, num_queries, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    stacked = q.reshape(batch, num_kv_heads, group * num_queries, head_dim)
+    # A view at one query (the broadcast row needs no copy), a small copy for a tree's M.
+    stacked_mask = mask[:, :, None].expand(batch, 1, group, num_queries, num_keys)
+    stacked_mask = stacked_mask.reshape(batch, 1, group * num_queries, num_keys)
+    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=stacked_mask, scale=scale)
+    return out.view(batch, num_heads, num_queries, head_dim)
 
 
 def readable_on_host(tensor: torch.Tensor) -> bool:

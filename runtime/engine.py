@@ -16,6 +16,7 @@ every device operation to the other ranks (runtime/replicated.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,7 +50,7 @@ from .replicated import (
 )
 from .requests import check_requests
 from .round_plan import RoundVariant
-from .scheduler import Scheduler
+from .scheduler import Scheduler, run_in_passing_thread
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,22 @@ class Engine:
         if config.tensor_parallel > 1:
             check_tensor_parallel(model_dir, config, artifacts=artifacts)
             return cls._from_ranks(model_dir, draft, config)
+        load = functools.partial(cls._load, model_dir, draft, config, artifacts, command)
+        if config.resolved_device().type == "cpu":
+            return run_in_passing_thread(load)
+        return load()
+
+    @classmethod
+    def _load(
+        cls,
+        model_dir: Path,
+        draft: str | Path | None,
+        config: EngineConfig,
+        artifacts: str | Path | None,
+        command: dict,
+    ) -> Engine:
+        """from_pretrained's work on one process: the model, the head, the Engine, and the
+        artifacts' steps and cost profile when given."""
         device, dtype = config.resolved_device(), config.resolved_dtype()
         started = time.perf_counter()
         model = load_target(model_dir, dtype=dtype, device=device)
