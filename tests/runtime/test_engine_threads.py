@@ -145,3 +145,33 @@ def _wait_for(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+def test_cpu_loading_runs_off_the_callers_thread_and_its_errors_come_back(smollm_dir, monkeypatch):
+    """from_pretrained on the CPU loads in a thread that ends with the loading (the caller's
+    thread keeps no OpenMP team beside the loop thread's: scheduler.run_in_passing_thread);
+    what loading raises reaches the caller unchanged."""
+    from specrun.runtime import engine as engine_module
+
+    loaded_on: list[threading.Thread] = []
+    real_load = engine_module.load_target
+
+    def recording_load(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_target", recording_load)
+    engine = Engine.from_pretrained(smollm_dir, config=CONFIG)
+    try:
+        assert engine.generate("Name three colours.", SamplingParams(max_new_tokens=4))[0].text
+    finally:
+        engine.close()
+    assert len(loaded_on) == 1 and loaded_on[0] is not threading.current_thread()
+    assert not loaded_on[0].is_alive()
+
+    def failing_load(*args, **kwargs):
+        raise ValueError("no weights here")
+
+    monkeypatch.setattr(engine_module, "load_target", failing_load)
+    with pytest.raises(ValueError, match="no weights here"):
+        Engine.from_pretrained(smollm_dir, config=CONFIG)
