@@ -41,7 +41,8 @@ Policies, by `EngineConfig.policy` name:
   the budget allows first, so the running means keep learning; for a kind left behind,
   that budget shrinks with the share of its explored new requests that turned out worth a
   tree (at their own estimate after the round), so a kind that never pays stops paying for
-  exploring too.
+  exploring too; the plain rounds of requests already left behind save for the next new
+  request at that shrunken share as well.
 - `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
   per request-round over the last `WINDOW` falls below `CUTOFF`, then plain decoding for
   good (TensorRT-LLM's rule; vLLM's table without the cut-off).
@@ -212,16 +213,23 @@ class CostPolicy(_ExploringPolicy):
         current = self._current.get(bucket)
         if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
             best = current
-        if best.tree is None and self._hopeless(bucket, candidates, requests, costs, rates[best]):
+        share = EXPLORE_SHARE
+        if best.tree is None and not any(r.in_step for r in requests):
+            # Every draft is behind: these plain rounds save for the next new request's
+            # exploring round only what its kind's trials have earned.
+            share = self._kinds_share(requests)
+        elif best.tree is None and self._hopeless(bucket, candidates, requests, costs, rates[best]):
             self._judge_trials(bucket, candidates, costs)
             fresh = [r for r in requests if r.in_step and not r.num_speculative_rounds]
-            share = max((self._trial_share(r.kind) for r in requests), default=EXPLORE_SHARE)
-            chosen = self._settle(bucket, candidates, best, fresh, costs, share=share)
+            chosen = self._settle(
+                bucket, candidates, best, fresh, costs, share=self._kinds_share(requests)
+            )
             if chosen.tree is not None:
                 self._on_trial.extend(fresh)
             self._leave_behind[bucket] = chosen.tree is None
             return self._launched(chosen, requests)
-        return self._launched(self._settle(bucket, candidates, best, requests, costs), requests)
+        chosen = self._settle(bucket, candidates, best, requests, costs, share=share)
+        return self._launched(chosen, requests)
 
     def leaves_draft_behind(self, bucket):
         return self._leave_behind.get(bucket, False)
@@ -240,6 +248,10 @@ class CostPolicy(_ExploringPolicy):
             return False
         rates = [self._rate(bucket, c, requests, costs, at_prior=True) for c in speculative]
         return plain_rate >= (1 + LEAVE_BEHIND_MARGIN) * max(rates)
+
+    def _kinds_share(self, requests: Sequence[AcceptanceEstimate]) -> float:
+        """The exploring share the requests' kinds have earned (the most of theirs)."""
+        return max((self._trial_share(r.kind) for r in requests), default=EXPLORE_SHARE)
 
     def _trial_share(self, kind: Hashable) -> float:
         """The exploring share for new requests of a hopeless `kind`: EXPLORE_SHARE times

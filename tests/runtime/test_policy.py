@@ -266,7 +266,9 @@ def test_cost_leaves_drafts_behind_only_when_requests_of_the_kind_would_not_pay(
 
 def test_cost_explores_new_requests_of_a_hopeless_kind_less_while_none_pays():
     """New requests of a kind left behind are explored within a budget that shrinks while
-    their exploring rounds find none worth a tree, and stays whole while they do."""
+    their exploring rounds find none worth a tree, and stays whole while they do; the plain
+    rounds of requests whose drafts are behind (the planner marks them out of step) save for
+    the next new request only at that shrunken rate."""
 
     def explored_requests(num_accepted: int) -> int:
         book = AcceptanceBook(priors={False: 0.02}, num_observed={False: 10**6})
@@ -277,6 +279,7 @@ def test_cost_explores_new_requests_of_a_hopeless_kind_less_while_none_pays():
                 fresh = not estimate.num_speculative_rounds
                 chosen = policy.choose(1, LADDER, [estimate], costs)
                 book.observe(request, chosen.tree, num_accepted if chosen.tree else 0)
+                estimate.in_step = estimate.in_step and not policy.leaves_draft_behind(1)
                 num_explored += fresh and chosen.tree is not None
             book.forget(request)
         return num_explored
