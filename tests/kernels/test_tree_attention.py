@@ -153,6 +153,21 @@ def test_host_mask_reads_only_the_longest_slots_cache():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
+@settings(max_examples=40, deadline=None)
+@given(drawn=cases(), seed=st.integers(0, 99))
+def test_host_attention_with_stacked_query_heads_matches_the_full_mask(drawn, seed):
+    """The eager CPU forward's attention (the shared mask, each key/value head's query heads
+    stacked as its queries) equals the traced formulation (full mask, SDPA's enable_gqa) on
+    any grouping, query count and cache lengths, in float64."""
+    case, lens = drawn
+    gen = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(case, dtype=torch.float64, cache_len=lens, generator=gen)
+    scale = inputs.pop("scale")
+    mask = host_attention_mask(inputs["cache_len"], inputs["anc"], num_tree_keys=case.num_tree)
+    got = model_tree_attention(**inputs, scale=scale, mask=mask)
+    torch.testing.assert_close(got, model_tree_attention(**inputs, scale=scale))
+
+
 def test_ref_fully_masked_row_is_zero():
     inputs = make_inputs(Case(1, 2, 1, 2, 3, 8, 8), dtype=torch.float64, cache_len=[0])
     inputs["anc"][0, 1] = 0
