@@ -229,6 +229,9 @@ class AcceptanceBook:
     estimates: dict[Hashable, AcceptanceEstimate] = field(default_factory=dict)
     num_observed: dict[Hashable, int] = field(default_factory=dict)
     spread: dict[Hashable, deque[float]] = field(default_factory=dict)
+    # Each kind's spread sorted, kept until the kind's next finished request (slowest_of is
+    # asked for every live request before every round).
+    _sorted_spread: dict[Hashable, list[float]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def starting_from(cls, measured: MeasuredAcceptance | None) -> AcceptanceBook:
@@ -278,12 +281,15 @@ class AcceptanceBook:
         if estimate is not None and estimate.num_speculative_rounds >= SPREAD_ROUNDS:
             kept = self.spread.setdefault(estimate.kind, deque(maxlen=SPREAD_KEPT))
             kept.append(estimate.typical_alpha)
+            self._sorted_spread.pop(estimate.kind, None)
 
     def slowest_of(self, kind: Hashable, num_requests: int) -> float | None:
         """The alpha the slowest of `num_requests` new requests of `kind` is likely to have:
         the 1 / (num_requests + 1) quantile of the kind's spread (None below SPREAD_MIN
         finished requests)."""
-        found = sorted(self.spread.get(kind, ()))
+        found = self._sorted_spread.get(kind)
+        if found is None:
+            found = self._sorted_spread[kind] = sorted(self.spread.get(kind, ()))
         if len(found) < SPREAD_MIN:
             return None
         return found[int(len(found) / (num_requests + 1))]
