@@ -336,13 +336,13 @@ def _tokens_per_second(
     slowest request ends instead (the least of the requests' progress per round through what
     remains of them, new requests judged by the slowest their kind's spread makes likely:
     AcceptanceEstimate.expected's `as_slowest`), scaled to the batch's tokens."""
+    # `slowest` is set only while no request waits, so the cap applies only to that case.
     tree = candidate.tree
-    if not requests or any(r.remaining is None for r in requests):
-        gains = [1.0 + calibration * r.expected(tree, at_prior=at_prior) for r in requests]
-        return sum(gains) / seconds
     gains = [
         1.0 + calibration * r.expected(tree, at_prior=at_prior, as_slowest=True) for r in requests
     ]
+    if not requests or any(r.remaining is None for r in requests):
+        return sum(gains) / seconds
     total = sum(max(r.remaining, 1) for r in requests)
     progress = min(g / max(r.remaining, 1) for g, r in zip(gains, requests, strict=True))
     return progress * total / seconds
