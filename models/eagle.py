@@ -406,6 +406,40 @@ def add_layers(head: DraftHead, *, num_layers: int) -> DraftHead:
     return deeper.train(head.training)
 
 
+def with_draft_vocab(head: Eagle3Head, kept: torch.Tensor, *, new_rows: torch.Tensor) -> Eagle3Head:
+    """A copy of the EAGLE-3 `head` drafting over the target ids `kept` instead of its own
+    vocabulary (same layers, device and dtype; its borrowed modules shared).
+
+    Args:
+        kept: [V'] int64 target ids, ascending: the new draft vocabulary.
+        new_rows: [V', H] lm_head rows, row i for `kept[i]`, used for the ids the head does
+            not draft yet; the ids it drafts keep their trained rows, so the copy's logits
+            over them equal the head's.
+    """
+    if not isinstance(head, Eagle3Head):
+        raise TypeError(f"only EAGLE-3 heads have a draft vocabulary, not a {type(head).__name__}")
+    weight = head.lm_head.weight
+    kept = kept.to(weight.device)
+    config = dataclasses.replace(head.config, draft_vocab_size=kept.numel())
+    with torch.device(weight.device):
+        copy = Eagle3Head(config, head.shared).to(weight.dtype)
+    own = ("lm_head.", "d2t", "t2d")
+    state = {name: t for name, t in head.state_dict().items() if not name.startswith(own)}
+    copy.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        copy.d2t.copy_(kept - torch.arange(kept.numel(), device=kept.device))
+        copy.t2d.zero_()
+        copy.t2d[kept] = True
+        old_ids = torch.arange(weight.shape[0], device=weight.device)
+        draft_id_of = torch.full_like(head.t2d, -1, dtype=torch.int64)
+        draft_id_of[head.to_target_ids(old_ids)] = old_ids
+        rows = new_rows.to(weight).clone()
+        drafted = head.t2d[kept]
+        rows[drafted] = weight[draft_id_of[kept[drafted]]]
+        copy.lm_head.weight.copy_(rows)
+    return copy.train(head.training)
+
+
 def build_draft(config: DraftConfig, target: Llama) -> DraftHead:
     """The head `config` describes, wired to `target`'s embedding (and lm_head where shared).
 

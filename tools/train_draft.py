@@ -75,7 +75,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--ttt-steps", type=int, default=7, help="training-time-test depth")
-    parser.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 draft vocab")
+    parser.add_argument(
+        "--draft-vocab", type=int, default=None,
+        help="EAGLE-3 draft vocabulary: the N most frequent response tokens (default 32000 for "
+        "a new head; with --init-from the head keeps its own unless this is given)",
+    )  # fmt: skip
     parser.add_argument(
         "--num-layers", type=int, default=None,
         help="dense and eagle3 heads: attention layers (default 1, or the --init-from head's; "

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ...models.config import DRAFT_KINDS, DraftConfig
-from ...models.eagle import DraftHead, Eagle3Head, add_layers, build_draft
+from ...models.eagle import DraftHead, Eagle3Head, add_layers, build_draft, with_draft_vocab
 from ...models.llama import Llama
 from ...models.loading import load_draft, save_draft
 from .data import (
@@ -55,7 +55,8 @@ class TrainConfig:
         appends layers that start as the identity (models/eagle.py `add_layers`).
     num_ttt_steps: training-time-test unroll depth K (1 = plain teacher forcing).
     ttt_decay: weight of unroll step k is ttt_decay**k.
-    draft_vocab_size: EAGLE-3 draft vocabulary (None: min(32000, target vocab)).
+    draft_vocab_size: EAGLE-3 draft vocabulary: the most frequent response tokens (None:
+        min(32000, target vocab) for a fresh head, the loaded head's own with `init_from`).
     num_warmup_steps: linear learning-rate warm-up, then cosine decay to 10% over num_steps.
     checkpoint_interval / eval_interval: steps between checkpoints / held-out estimates.
     num_heldout: sequences kept out of training for the acceptance estimate.
@@ -132,21 +133,27 @@ def build_head(
     return head
 
 
-def initial_head(target: Llama, config: TrainConfig, head_dir: str | Path) -> DraftHead:
-    """The head in `head_dir` in float32 on the target's device, checked against `config`,
-    deepened to `config.num_layers` when that asks for more layers than it has."""
+def initial_head(
+    target: Llama,
+    config: TrainConfig,
+    head_dir: str | Path,
+    sequences: Sequence[TrainingSequence],
+) -> DraftHead:
+    """The head in `head_dir` in float32 on the target's device, checked against `config`.
+
+    An EAGLE-3 head gets a new draft vocabulary of `config.draft_vocab_size` tokens when
+    that is set: the most frequent response tokens of `sequences` (tokens it already drafts
+    keep their trained lm_head rows, see `with_draft_vocab`). It is deepened to
+    `config.num_layers` when that asks for more layers than it has.
+    """
     head = load_draft(head_dir, target=target, dtype=torch.float32)
     if head.config.kind != config.kind:
         raise ValueError(
             f"{head_dir} holds an {head.config.kind} head, not {config.kind}; "
             f"train it with kind={head.config.kind!r} (--kind {head.config.kind})"
         )
-    size = head.config.draft_vocab_size
-    if config.draft_vocab_size is not None and config.draft_vocab_size != size:
-        raise ValueError(
-            f"{head_dir} drafts over {size} tokens, not draft_vocab_size="
-            f"{config.draft_vocab_size}; leave it unset to keep the head's vocabulary"
-        )
+    if config.draft_vocab_size is not None:
+        head = _redraw_draft_vocab(head, target, sequences, size=config.draft_vocab_size)
     layers = head.num_layers
     if config.num_layers is None or config.num_layers == layers:
         return head
@@ -158,6 +165,24 @@ def initial_head(target: Llama, config: TrainConfig, head_dir: str | Path) -> Dr
     logger.info("adding %d layers to the %d of %s", config.num_layers - layers, layers, head_dir)
     torch.manual_seed(config.seed)
     return add_layers(head, num_layers=config.num_layers)
+
+
+def _redraw_draft_vocab(
+    head: Eagle3Head, target: Llama, sequences: Sequence[TrainingSequence], *, size: int
+) -> Eagle3Head:
+    """`head` over the `size` most frequent response tokens of `sequences`; tokens new to it
+    start from the target's lm_head rows (or a fresh layer's when the widths differ)."""
+    vocab = target.config.vocab_size
+    d2t, _ = build_draft_vocab(token_frequencies(sequences, vocab_size=vocab), size=size)
+    kept = (torch.arange(size) + d2t).to(head.lm_head.weight.device)
+    width = head.lm_head.weight.shape[1]
+    if target.lm_head.weight.shape[1] == width:
+        new_rows = target.lm_head.weight[kept].float()
+    else:
+        new_rows = torch.nn.Linear(width, size, bias=False, device=kept.device).weight.detach()
+    num_drafted = int(head.t2d[kept].sum())
+    logger.info("draft vocabulary of %d tokens, %d of them drafted before", size, num_drafted)
+    return with_draft_vocab(head, kept, new_rows=new_rows)
 
 
 @torch.no_grad()
@@ -314,8 +339,9 @@ def train_draft(
     """Train a head of `config.kind` on `sequences` with `target` frozen; write it to out_dir.
 
     `init_from`: a head directory to start from instead of fresh weights (fine-tuning a
-    shipped head on more data); it keeps its own draft vocabulary, and its kind (and, for
-    EAGLE-3, its draft vocabulary size when `config.draft_vocab_size` is set) must match.
+    shipped head on more data); its kind must match. An EAGLE-3 head keeps its draft
+    vocabulary unless `config.draft_vocab_size` is set, which redraws one of that size from
+    the training sequences (`initial_head`).
     A larger `config.num_layers` than it has trains a deeper head that starts out computing
     what it does (see `initial_head`).
 
@@ -334,7 +360,7 @@ def train_draft(
     if init_from is None:
         head = build_head(target, config, train_set)
     else:
-        head = initial_head(target, config, init_from)
+        head = initial_head(target, config, init_from, train_set)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     start = load_checkpoint(out_dir, head, optimizer) if resume else 0
     if not resume:

@@ -20,7 +20,12 @@ from specrun.runtime.distill.data import (
     token_frequencies,
 )
 from specrun.runtime.distill.losses import first_features, run_target, unroll
-from specrun.runtime.distill.trainer import TrainConfig, split_heldout, train_draft
+from specrun.runtime.distill.trainer import (
+    TrainConfig,
+    initial_head,
+    split_heldout,
+    train_draft,
+)
 from specrun.runtime.kv_cache import KVCache
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.speculative import speculative_generate
@@ -245,7 +250,7 @@ def test_a_head_fine_tuned_from_a_trained_one_starts_where_it_ended(target, sequ
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=1e-5, msg=name)
 
 
-def test_fine_tuning_refuses_another_kind_or_vocabulary_and_resume(target, sequences, tmp_path):
+def test_fine_tuning_refuses_another_kind_and_resume(target, sequences, tmp_path):
     _train(target, sequences, tmp_path / "first", num_steps=1)
 
     def run(**overrides):
@@ -258,10 +263,40 @@ def test_fine_tuning_refuses_another_kind_or_vocabulary_and_resume(target, seque
 
     with pytest.raises(ValueError, match="--kind eagle3"):
         run(config={"kind": "eagle1"})
-    with pytest.raises(ValueError, match="not draft_vocab_size=20"):
-        run(config={"draft_vocab_size": 20})
     with pytest.raises(ValueError, match="do not also give init_from"):
         run(resume=True)
+
+
+def test_fine_tuning_with_a_draft_vocab_size_redraws_the_vocabulary(target, sequences, tmp_path):
+    """init_from with draft_vocab_size: the head drafts over the training data's most
+    frequent tokens; those it drafted before keep their trained rows (the same logits), the
+    others start from the target's lm_head rows."""
+    old = _train(target, sequences, tmp_path, kind="eagle3", draft_vocab_size=24, num_steps=3)
+    train_set, _ = split_heldout(sequences, config=TrainConfig(num_heldout=6))
+    config = TrainConfig(kind="eagle3", draft_vocab_size=40, num_heldout=6)
+    new = initial_head(target, config, tmp_path, train_set)
+    check_vocab_maps(new)
+    assert int(new.t2d.sum()) == 40 and new.lm_head.weight.shape[0] == 40
+    counts = token_frequencies(train_set, vocab_size=97)
+    assert bool(new.t2d[counts.argsort(descending=True, stable=True)[:16]].all())
+    old_head = old.head
+    old_ids = old_head.to_target_ids(torch.arange(24))
+    new_ids = new.to_target_ids(torch.arange(40))
+    hidden = torch.randn(5, target.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    old_logits, new_logits = old_head.logits(hidden), new.logits(hidden)
+    num_shared = 0
+    for draft_id, token in enumerate(new_ids.tolist()):
+        if bool(old_head.t2d[token]):
+            old_id = old_ids.tolist().index(token)
+            torch.testing.assert_close(new_logits[:, draft_id], old_logits[:, old_id])
+            num_shared += 1
+        else:
+            torch.testing.assert_close(
+                new.lm_head.weight[draft_id], target.lm_head.weight[token].float()
+            )
+    assert 0 < num_shared < 40
+    for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight"):
+        assert torch.equal(new.state_dict()[name], old_head.state_dict()[name].float()), name
 
 
 def test_a_deeper_head_fine_tuned_from_a_trained_one_starts_where_it_ended(
