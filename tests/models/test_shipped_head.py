@@ -18,7 +18,7 @@ from specrun.runtime.speculative import speculative_generate
 from specrun.runtime.tree import TreeShape
 
 MAX_FILE_BYTES = 16 * 2**20
-MAX_TOTAL_BYTES = 20 * 10**6
+MAX_TOTAL_BYTES = 40 * 10**6
 
 
 def test_shipped_head_files_are_within_the_size_limits():
