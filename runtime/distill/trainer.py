@@ -204,10 +204,12 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA (float32 master weights); plain float32 elsewhere."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def _autocast(target: Llama) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA, and on a CPU whose target is in bf16 (the head's float32
+    master weights meet the target's bf16 taps and embeddings); plain float32 otherwise."""
+    weight = target.lm_head.weight
+    if weight.device.type == "cuda" or weight.dtype == torch.bfloat16:
+        return torch.autocast(weight.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -244,7 +246,7 @@ def heldout_agreement(
     batches = iter_batches(sequences, batch_size=config.batch_size, max_length=config.max_length)
     for batch in batches:
         batch = batch.to(device)
-        with _autocast(device):
+        with _autocast(target):
             target_pass = run_target(target, batch.tokens)
             features = first_features(head, target_pass)
             outs = unroll(head, batch.tokens, features, num_steps=config.num_ttt_steps)
@@ -410,7 +412,7 @@ def _train_step(head, target, optimizer, train_set, step: int, *, config: TrainC
     ).to(device)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(config, step)
-    with _autocast(device):
+    with _autocast(target):
         loss, _ = batch_loss(head, target, batch, config=config)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -4,6 +4,7 @@ inference computation, losses fall, heads round-trip through save/load, resume i
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -168,6 +169,16 @@ def test_head_saved_in_bf16_shards_round_trips(target, sequences, tmp_path):
     for name, tensor in result.head.state_dict().items():
         saved = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
         assert torch.equal(loaded.state_dict()[name].to(saved.dtype), saved), name
+
+
+def test_a_head_trains_against_a_bf16_target_on_the_cpu(sequences, tmp_path):
+    """The CPU loads targets in bf16 by default: the float32 head meets its bf16 taps and
+    embeddings under autocast, and the loss still falls."""
+    target = random_llama(tiny_config(), seed=0, dtype=torch.bfloat16)
+    result = _train(target, sequences, tmp_path, kind="eagle3", draft_vocab_size=48)
+    assert all(math.isfinite(loss) for loss in result.losses)
+    assert _mean(result.losses[-5:]) < 0.8 * _mean(result.losses[:5])
+    assert next(result.head.parameters()).dtype == torch.float32
 
 
 def test_trained_eagle3_vocab_is_consistent(target, sequences, tmp_path):
