@@ -15,9 +15,14 @@ again, after a hundred plain rounds or so, unless such requests accept little in
 (acceptance moves with the text; a stale low estimate would keep the request plain for
 good). The step is small because the exploring rounds (runtime/policy.py) measure such a
 request again anyway, and a faster drift made a static batch retry trees on its slowest
-request every few rounds. Once a plain round has left a request's draft behind for good
-(`in_step` False: see RoundPlanner.plan) no tree is expected to accept anything for it. A
-speculative round also reports, at the root, the draft's confidence and the KL divergence
+request every few rounds. A request that has run SPREAD_ROUNDS speculative rounds also
+moves a larger step (`RECOVERY_RATE`) towards its own typical alpha, the mean of its
+estimates over those rounds: two or three rejected rounds in a text it drafts well are a
+dip, and with a strong head they otherwise kept it plain for dozens of rounds it would have
+gained in; a request that drafts poorly throughout has a low typical alpha and stays plain.
+Once a plain round has left a request's draft behind for good (`in_step` False: see
+RoundPlanner.plan) no tree is expected to accept anything for it. A speculative round also
+reports, at the root, the draft's confidence and the KL divergence
 of its distribution from the target's (round.acceptance_signals); each request keeps their
 moving averages and the KL's variance (DSDE's stability signal).
 
@@ -52,6 +57,9 @@ MEASURED_ROUNDS = 16
 PRIOR_RATE = 0.05
 # The step back towards the engine's running mean alpha of a request's alpha per plain round.
 STALE_RATE = 0.01
+# The step back towards its own typical alpha per plain round, once it has run SPREAD_ROUNDS
+# speculative rounds.
+RECOVERY_RATE = 0.1
 # Weight of one round in a round cost's moving average.
 COST_RATE = 0.2
 # Speculative rounds after which a request's own estimate decides for it in a static batch,
@@ -268,6 +276,8 @@ class AcceptanceBook:
         prior = self.prior(estimate.kind)
         if tree is None:
             estimate.alpha = _blend(estimate.alpha, prior, STALE_RATE)
+            if estimate.num_speculative_rounds >= SPREAD_ROUNDS:
+                estimate.alpha = _blend(estimate.alpha, estimate.typical_alpha, RECOVERY_RATE)
         else:
             seen = self.num_observed.get(estimate.kind, 0)
             self.num_observed[estimate.kind] = seen + 1

@@ -125,15 +125,40 @@ def test_estimates_follow_what_requests_accept():
     assert book.get("plain").rounds_since_speculation == 30
     assert 0.1 < book.get("newcomer").alpha < 0.9
     assert book.get("newcomer").alpha == book.prior()
-    gap = book.prior() - book.get("bad").alpha
+    # Too few speculative rounds to have a typical alpha of its own: the kind's mean.
+    for _ in range(SPREAD_ROUNDS - 1):
+        book.observe("new", DEEP, 0)
+    gap = book.prior() - book.get("new").alpha
     for _ in range(30):
-        book.observe("bad", None, 0)
-    assert book.prior() - book.get("bad").alpha == pytest.approx(gap * (1 - STALE_RATE) ** 30)
+        book.observe("new", None, 0)
+    assert book.prior() - book.get("new").alpha == pytest.approx(gap * (1 - STALE_RATE) ** 30)
     for _ in range(500):
-        book.observe("bad", None, 0)
-    assert book.get("bad").alpha == pytest.approx(book.prior(), abs=0.01)
+        book.observe("new", None, 0)
+    assert book.get("new").alpha == pytest.approx(book.prior(), abs=0.01)
     book.forget("good")
     assert "good" not in book.estimates
+
+
+def test_plain_rounds_bring_a_request_back_to_what_it_typically_accepts():
+    """After a few rejected rounds in a text it drafts well, a request's estimate recovers
+    within about ten plain rounds; one that drafted poorly throughout rises no further than
+    its own typical alpha, well below its kind's mean."""
+    book = AcceptanceBook()
+    for _ in range(12):
+        book.observe("dipped", DEEP, DEEP.depth - 1)
+        book.observe("poor", DEEP, 0)
+    typical = book.get("dipped").typical_alpha
+    for _ in range(3):
+        book.observe("dipped", DEEP, 0)
+    dipped = book.get("dipped").alpha
+    assert dipped < 0.6 * typical
+    poor = book.get("poor").alpha
+    for _ in range(10):
+        book.observe("dipped", None, 0)
+        book.observe("poor", None, 0)
+    recovered = book.get("dipped").alpha
+    assert recovered - dipped > 0.6 * (book.get("dipped").typical_alpha - dipped)
+    assert poor < book.get("poor").alpha < book.get("poor").typical_alpha < 0.75 * book.prior()
 
 
 def test_cost_measures_every_shape_once_then_follows_acceptance():
