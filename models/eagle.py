@@ -433,7 +433,7 @@ def with_draft_vocab(head: Eagle3Head, kept: torch.Tensor, *, new_rows: torch.Te
         old_ids = torch.arange(weight.shape[0], device=weight.device)
         draft_id_of = torch.full_like(head.t2d, -1, dtype=torch.int64)
         draft_id_of[head.to_target_ids(old_ids)] = old_ids
-        rows = new_rows.to(weight).clone()
+        rows = new_rows.to(weight, copy=True)
         drafted = head.t2d[kept]
         rows[drafted] = weight[draft_id_of[kept[drafted]]]
         copy.lm_head.weight.copy_(rows)

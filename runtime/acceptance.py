@@ -22,9 +22,9 @@ dip, and with a strong head they otherwise kept it plain for dozens of rounds it
 gained in; a request that drafts poorly throughout has a low typical alpha and stays plain.
 Once a plain round has left a request's draft behind for good (`in_step` False: see
 RoundPlanner.plan) no tree is expected to accept anything for it. A speculative round also
-reports, at the root, the draft's confidence and the KL divergence
-of its distribution from the target's (round.acceptance_signals); each request keeps their
-moving averages and the KL's variance (DSDE's stability signal).
+reports, at the root, the draft's confidence and the KL divergence of its distribution from
+the target's (round.acceptance_signals); each request keeps their moving averages and the
+KL's variance (DSDE's stability signal).
 
 A draft head may ship what it accepted when it was measured (`MeasuredAcceptance`, the
 `accepted` entry of its trees.json): the engine's running means then start from it, weighted
