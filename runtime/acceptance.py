@@ -144,6 +144,9 @@ class AcceptanceEstimate:
         AcceptanceBook.get.
     in_step: whether the request's draft cache is in step with its tokens (False once a
         plain round left it behind: its drafts cannot be accepted but by chance).
+    num_in_step_in_flight: rounds launched while the draft was in step whose reports have
+        not been read (RoundPlanner.plan counts them, AcceptanceBook.observe reads them):
+        they count even when read after the draft was left behind.
     remaining: the tokens the request may still generate, set by the scheduler before each
         round while no request waits for a slot (the batch then runs until its longest
         request ends); None while some do.
@@ -158,6 +161,7 @@ class AcceptanceEstimate:
     kind: Hashable = None
     prior: float = PRIOR_ALPHA
     in_step: bool = True
+    num_in_step_in_flight: int = 0
     confidence: float = 0.0
     divergence: float = 0.0
     divergence_square: float = 0.0
@@ -270,7 +274,9 @@ class AcceptanceBook:
         signals: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         estimate = self.get(request)
-        if not estimate.in_step:
+        launched_in_step = estimate.in_step or estimate.num_in_step_in_flight > 0
+        estimate.num_in_step_in_flight = max(estimate.num_in_step_in_flight - 1, 0)
+        if not launched_in_step:
             return
         estimate.observe(tree, num_accepted, signals)
         prior = self.prior(estimate.kind)

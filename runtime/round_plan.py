@@ -175,7 +175,21 @@ class RoundPlanner:
         unless the policy lets the drafts fall behind for good, or they already have (no
         estimate `in_step`): then it is a bare plain step, and it marks every estimate out
         of step (a tree round stays lossless for such a request, its drafts just go
-        unaccepted). Call it for every round launched, in launch order."""
+        unaccepted). Call it for every round launched, in launch order; each estimate still
+        in step counts the round as launched in step (`num_in_step_in_flight`), so what it
+        accepts is learnt from even when it is read after a later plan left the draft
+        behind (the host plans ahead of the rounds it reads on CUDA)."""
+        chosen = self._choose(bucket, params, estimates)
+        for estimate in estimates:
+            estimate.num_in_step_in_flight += estimate.in_step
+        return chosen
+
+    def _choose(
+        self,
+        bucket: int,
+        params: Sequence[SamplingParams],
+        estimates: Sequence[AcceptanceEstimate],
+    ) -> RoundVariant:
         found = self.candidates(bucket, params)
         chosen = (
             found[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import deque
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from specrun.runtime.acceptance import (
     expected_accepted,
     level_width,
 )
-from specrun.runtime.config import POLICY_NAMES, EngineConfig
+from specrun.runtime.config import POLICY_NAMES, EngineConfig, SamplingParams
 from specrun.runtime.policy import (
     EXPLORE_EVERY,
     EXPLORE_SHARE,
@@ -33,7 +34,7 @@ from specrun.runtime.policy import (
     tree_ladder,
 )
 from specrun.runtime.round import acceptance_signals
-from specrun.runtime.round_plan import RoundVariant
+from specrun.runtime.round_plan import RoundPlanner, RoundVariant
 from specrun.runtime.tree import TreeShape
 
 DEEP = TreeShape(6, 8, 40)
@@ -312,6 +313,40 @@ def test_cost_explores_new_requests_of_a_hopeless_kind_less_while_none_pays():
     never_pays = explored_requests(num_accepted=0)
     always_pays = explored_requests(num_accepted=LADDER[-2].tree.depth)
     assert 1 <= never_pays < always_pays / 3, (never_pays, always_pays)
+
+
+def test_exploring_rounds_read_after_the_draft_was_left_behind_still_count():
+    """On CUDA the host plans a round before it reads the one in flight, so a new request's
+    exploring round is read after the next plan has left its draft behind. What it accepted
+    still reaches the request's estimate and its kind's running mean, and the exploring
+    budget of a kind that never pays shrinks as when each round is read before the next is
+    planned."""
+    config = EngineConfig(device="cpu", buckets=(1,), policy="cost", trees={1: DEEP})
+    params = [SamplingParams()]
+
+    def explored_requests(lag: int) -> tuple[int, float]:
+        planner = RoundPlanner(config, has_head=True)
+        for variant in planner.candidates(1, params):
+            for _ in range(2):  # the first run is not counted
+                planner.costs.observe(1, variant.cost_key, GPU_COSTS[variant.tree])
+        book = AcceptanceBook(priors={True: 0.02}, num_observed={True: 10**6})
+        explored, in_flight = set(), deque()
+        for request in range(60):
+            for round_index in range(100):
+                estimate = book.get(request, kind=True)
+                in_flight.append(planner.plan(1, params, [estimate]))
+                if in_flight[-1].tree is not None:
+                    explored.add(request)
+                while len(in_flight) > (lag if round_index < 99 else 0):
+                    variant = in_flight.popleft()
+                    book.observe(request, variant.tree, 0)
+                    planner.done(1, variant, GPU_COSTS[variant.tree], [0])
+            book.forget(request)
+        return len(explored), book.prior(True)
+
+    no_lag, lag = explored_requests(lag=0), explored_requests(lag=1)
+    assert lag[1] < 0.02 and lag[1] == pytest.approx(no_lag[1])
+    assert 1 <= lag[0] <= no_lag[0] + 2 < 30, (no_lag, lag)
 
 
 def test_cost_calibrates_a_sampled_tree_that_accepts_less_than_modelled():
