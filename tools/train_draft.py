@@ -4,13 +4,15 @@ The target answers the prompts (greedy, sampled with --temperature, or a mix wit
 --response-temperatures; prompts with a follow-up turn get a second answer over the first),
 then trains the head on those sequences with the target running inside the loop
 (runtime/distill). The output directory is a draft head in the published layout:
-`specrun generate --draft OUT`.
+`specrun generate --draft OUT`. With --generate-only it writes the sequences alone
+(OUT/sequences.jsonl.gz), for training runs that reuse them (--sequences).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import torch
 
@@ -20,12 +22,18 @@ from ..models.loading import load_target
 from ..models.tokenizer import Tokenizer
 from ..runtime.config import EngineConfig
 from ..runtime.distill.broad_prompts import CATEGORIES
-from ..runtime.distill.data import generate_record_sequences, load_sequences, read_prompt_records
+from ..runtime.distill.data import (
+    generate_record_sequences,
+    load_sequences,
+    read_prompt_records,
+    save_sequences,
+)
 from ..runtime.distill.self_instruct import self_instruct_records
 from ..runtime.distill.trainer import TrainConfig, checkpoint_sequences_path, train_draft
 
 logger = logging.getLogger(__name__)
 
+GENERATED_FILE = "sequences.jsonl.gz"
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -94,6 +102,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--init-from", default=None, help="start from this head directory (fine-tune it)"
     )
+    parser.add_argument(
+        "--generate-only",
+        action="store_true",
+        help="write the generated sequences to OUT/sequences.jsonl.gz and stop (train on them "
+        "later with --sequences)",
+    )
     parser.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at step")
     parser.add_argument(
         "--max-minutes", type=float, default=None, help="checkpoint and stop after this long"
@@ -135,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --prompts to generate training data, or --sequences FILE")
     if args.sequences and (args.prompts or args.resume):
         raise ValueError("--sequences replaces --prompts and --resume; give only one of them")
+    if args.generate_only and not args.prompts:
+        raise ValueError("--generate-only generates from --prompts; give them")
     config = train_config(args)
     model_dir = args.model or default_model_dir()
     engine_config = EngineConfig(device=args.device, dtype=args.dtype)
@@ -148,6 +164,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         sequences = _self_distilled(args, target, model_dir)
     num_tokens = sum(len(s.token_ids) - s.num_prompt for s in sequences)
+    if args.generate_only:
+        path = Path(args.out) / GENERATED_FILE
+        save_sequences(sequences, path)
+        print(f"wrote {len(sequences)} sequences ({num_tokens} response tokens) to {path}")
+        return 0
     print(
         f"training a {args.kind} head on {len(sequences)} sequences ({num_tokens} response tokens)"
     )

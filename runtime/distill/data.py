@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ...models.llama import Llama
 from ...models.tokenizer import Tokenizer
@@ -137,13 +138,14 @@ def generate_sequences(
     seed: int = 0,
     batch_size: int = 16,
     eos_token_ids: Sequence[int] = (),
+    desc: str = "answering prompts",
 ) -> list[TrainingSequence]:
     """The target's own responses to `prompts`, joined to their prompts.
 
     Decoded plainly `batch_size` prompts at a time by one Decoder with that single bucket
     (the last, smaller chunk is padded), so a GPU compiles and captures one graph. Prompt i
     samples at `temperature` (one for all, or one per prompt) with seed `seed + i`, whatever
-    the batch size.
+    the batch size. A progress bar labelled `desc` counts the prompts answered.
     """
     temperatures = _per_prompt(temperature, len(prompts))
     longest = max((len(p) for p in prompts), default=1)
@@ -151,6 +153,7 @@ def generate_sequences(
     config = EngineConfig(buckets=(batch_size,), max_seq_len=capacity)
     decoder = Decoder(target, None, config, eos_token_ids=eos_token_ids)
     sequences = []
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
     try:
         for start in range(0, len(prompts), batch_size):
             chunk = [list(p) for p in prompts[start : start + batch_size]]
@@ -169,8 +172,9 @@ def generate_sequences(
                         response.extend(tokens)
             for prompt, response in zip(chunk, responses, strict=True):
                 sequences.append(TrainingSequence((*prompt, *response), len(prompt)))
-            logger.info("generated responses for %d/%d prompts", len(sequences), len(prompts))
+            bar.update(len(chunk))
     finally:
+        bar.close()
         decoder.close()
     return sequences
 
@@ -240,9 +244,12 @@ def _conversation(tokenizer: Tokenizer, record: PromptRecord, answer: TrainingSe
 
 
 def save_sequences(sequences: Sequence[TrainingSequence], path: str | Path) -> None:
-    """Write sequences as JSON lines {"token_ids": [...], "num_prompt": n}."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with Path(path).open("w", encoding="utf-8") as f:
+    """Write sequences as JSON lines {"token_ids": [...], "num_prompt": n}, gzipped when the
+    path ends in `.gz`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", encoding="utf-8") as f:
         for seq in sequences:
             f.write(json.dumps({"token_ids": list(seq.token_ids), "num_prompt": seq.num_prompt}))
             f.write("\n")

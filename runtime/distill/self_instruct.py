@@ -155,6 +155,7 @@ def self_instruct_records(
             seed=seed + start,
             batch_size=batch_size,
             eos_token_ids=tokenizer.eos_token_ids,
+            desc="writing self-instruct prompts",
         )
         for kind, reply in zip(kinds, replies, strict=True):
             text = tokenizer.decode(reply.token_ids[reply.num_prompt :], skip_special_tokens=True)

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from specrun.models.loading import save_draft, save_target
 from specrun.runtime.config import DEFAULT_TREES, EngineConfig, SamplingParams
+from specrun.runtime.distill.data import load_sequences
 from specrun.runtime.engine import Engine
 from specrun.runtime.stats import RequestStats
 from specrun.runtime.tree import TreeShape
@@ -183,6 +184,23 @@ def test_train_draft_reuses_sequences_an_earlier_run_wrote(model_dir, prompts_fi
     assert main([*argv, "--out", str(second), "--sequences", str(packed)]) == 0
     assert (second / "checkpoint" / "sequences.jsonl").read_bytes() == written.read_bytes()
     assert main([*argv, "--out", str(second)]) == 2  # neither prompts nor sequences
+
+
+def test_train_draft_generates_only_then_trains_on_what_it_wrote(model_dir, prompts_file, tmp_path):
+    data, head = tmp_path / "data", tmp_path / "head"
+    argv = ["train-draft", "--model", str(model_dir), "--max-new-tokens", "8"]
+    argv += ["--device", "cpu", "--dtype", "float32"]
+    assert main([*argv, "--out", str(data), "--prompts", str(prompts_file), "--generate-only"]) == 0
+    assert sorted(p.name for p in data.iterdir()) == ["sequences.jsonl.gz"]
+    sequences = load_sequences(data / "sequences.jsonl.gz")
+    num_prompts = len(prompts_file.read_text().splitlines())
+    assert len(sequences) == num_prompts
+    assert all(len(s.token_ids) > s.num_prompt for s in sequences)
+    train = ["--steps", "2", "--batch-size", "2", "--ttt-steps", "2", "--draft-vocab", "40"]
+    train += ["--heldout", "1", "--out", str(head), "--sequences", str(data / "sequences.jsonl.gz")]
+    assert main([*argv, *train]) == 0
+    assert load_sequences(head / "checkpoint" / "sequences.jsonl") == sequences
+    assert main([*argv, "--out", str(data), "--sequences", str(head), "--generate-only"]) == 2
 
 
 def test_bench_cold_start_reports_a_fresh_process(model_dir, tmp_path, capsys):
