@@ -299,7 +299,8 @@ def save_checkpoint(
 
 def load_checkpoint(out_dir: Path, head: DraftHead, optimizer: torch.optim.Optimizer) -> int:
     """Restore head and optimizer from out/checkpoint; returns the saved step. A ValueError
-    names the --kind and --num-layers of a saved head whose tensors `head` lacks."""
+    names the --kind and --num-layers of a saved head whose tensors `head` lacks, and the
+    --draft-vocab of one whose tensors have other shapes."""
     path = out_dir / CHECKPOINT_DIR / STATE_FILE
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}; run without --resume to start afresh")
@@ -314,9 +315,26 @@ def load_checkpoint(out_dir: Path, head: DraftHead, optimizer: torch.optim.Optim
             f"build; resume with those of the run that wrote it (--kind {kind} "
             f"--num-layers {num_layers})"
         )
+    _check_shapes(path, state, head)
     head.load_state_dict(state["head"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])
+
+
+def _check_shapes(path: Path, state: dict, head: DraftHead) -> None:
+    """A ValueError when the saved tensors' shapes differ from `head`'s (another draft
+    vocabulary, most likely: the options that size the head must be the first run's)."""
+    saved = state["head"]
+    mismatched = [
+        f"{name} {list(saved[name].shape)} (these options: {list(tensor.shape)})"
+        for name, tensor in head.state_dict().items()
+        if tensor.shape != saved[name].shape
+    ]
+    if mismatched:
+        raise ValueError(
+            f"{path} holds a head of other shapes: {'; '.join(mismatched)}; resume with the "
+            "options of the run that wrote it (--draft-vocab sizes an EAGLE-3 head's lm_head)"
+        )
 
 
 def checkpoint_sequences_path(out_dir: str | Path) -> Path:

@@ -3,6 +3,7 @@ inference computation, losses fall, heads round-trip through save/load, resume i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -238,6 +239,17 @@ def test_resume_continues_at_the_saved_step(target, sequences, tmp_path):
     assert rest.losses == whole.losses[3:]
     for name, tensor in rest.head.state_dict().items():
         assert torch.equal(tensor, whole.head.state_dict()[name]), name
+
+
+def test_resume_with_another_draft_vocabulary_says_which_option_to_repeat(
+    target, sequences, tmp_path
+):
+    config = TrainConfig(kind="eagle3", draft_vocab_size=48, num_steps=4, batch_size=4,
+                         num_ttt_steps=2, num_heldout=2)  # fmt: skip
+    train_draft(target, sequences, config=config, out_dir=tmp_path, stop_at=2, progress=False)
+    other = dataclasses.replace(config, draft_vocab_size=40)
+    with pytest.raises(ValueError, match=r"lm_head.weight \[48, .*--draft-vocab"):
+        train_draft(target, sequences, config=other, out_dir=tmp_path, resume=True, progress=False)
 
 
 def test_a_head_fine_tuned_from_a_trained_one_starts_where_it_ended(target, sequences, tmp_path):
