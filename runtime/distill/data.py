@@ -248,8 +248,7 @@ def save_sequences(sequences: Sequence[TrainingSequence], path: str | Path) -> N
     path ends in `.gz`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "wt", encoding="utf-8") as f:
+    with _open_text(path, "wt") as f:
         for seq in sequences:
             f.write(json.dumps({"token_ids": list(seq.token_ids), "num_prompt": seq.num_prompt}))
             f.write("\n")
@@ -260,10 +259,15 @@ def load_sequences(path: str | Path) -> list[TrainingSequence]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no sequences file at {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with _open_text(path, "rt") as f:
         records = [json.loads(line) for line in f if line.strip()]
     return [TrainingSequence(tuple(r["token_ids"]), int(r["num_prompt"])) for r in records]
+
+
+def _open_text(path: Path, mode: str):
+    """A UTF-8 text file, gzipped when its name ends in `.gz`."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    return opener(path, mode, encoding="utf-8")
 
 
 def token_frequencies(sequences: Sequence[TrainingSequence], *, vocab_size: int) -> torch.Tensor:

@@ -298,36 +298,36 @@ def save_checkpoint(
 
 
 def load_checkpoint(out_dir: Path, head: DraftHead, optimizer: torch.optim.Optimizer) -> int:
-    """Restore head and optimizer from out/checkpoint; returns the saved step. A ValueError
-    names the --kind and --num-layers of a saved head whose tensors `head` lacks, and the
-    --draft-vocab of one whose tensors have other shapes."""
+    """Restore head and optimizer from out/checkpoint; returns the saved step (a ValueError
+    when the saved head is not the one these options build: `_check_saved_head`)."""
     path = out_dir / CHECKPOINT_DIR / STATE_FILE
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}; run without --resume to start afresh")
     device = next(head.parameters()).device
     state = torch.load(path, map_location=device, weights_only=True)
-    if state["head"].keys() != head.state_dict().keys():
+    _check_saved_head(path, state, head)
+    head.load_state_dict(state["head"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def _check_saved_head(path: Path, state: dict, head: DraftHead) -> None:
+    """A ValueError naming the options to repeat when the saved head's tensors are not
+    `head`'s: other names (--kind, --num-layers) or other shapes (--draft-vocab, most
+    likely)."""
+    saved, built = state["head"], head.state_dict()
+    if saved.keys() != built.keys():
         kind = state["config"]["kind"]
-        layers = {name.split(".")[1] for name in state["head"] if name.startswith("layers.")}
+        layers = {name.split(".")[1] for name in saved if name.startswith("layers.")}
         num_layers = len(layers) + (1 if kind == "eagle3" else 0)  # the mid layer
         raise ValueError(
             f"{path} holds a {kind} head of {num_layers} layers, not the head these options "
             f"build; resume with those of the run that wrote it (--kind {kind} "
             f"--num-layers {num_layers})"
         )
-    _check_shapes(path, state, head)
-    head.load_state_dict(state["head"])
-    optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
-
-
-def _check_shapes(path: Path, state: dict, head: DraftHead) -> None:
-    """A ValueError when the saved tensors' shapes differ from `head`'s (another draft
-    vocabulary, most likely: the options that size the head must be the first run's)."""
-    saved = state["head"]
     mismatched = [
         f"{name} {list(saved[name].shape)} (these options: {list(tensor.shape)})"
-        for name, tensor in head.state_dict().items()
+        for name, tensor in built.items()
         if tensor.shape != saved[name].shape
     ]
     if mismatched:
