@@ -171,7 +171,9 @@ class Decoder:
         filtered=filtered)`; the top-k/top-p ones are otherwise prepared when first needed.
         With CUDA graphs, `prompt_lengths` (tokens) also captures the prefill graphs prompts
         that long need in those buckets, for batches and for admissions of up to a bucket's
-        size of requests into running ones (otherwise captured on first use). Idempotent."""
+        size of requests into running ones, with the head and, where the policy may decline
+        to draft prompts (RoundPlanner.skips_drafts), without it (otherwise captured on
+        first use). Idempotent."""
         chosen = self.config.buckets if buckets is None else sorted(buckets)
         keys = [
             (bucket, variant)
@@ -182,10 +184,14 @@ class Decoder:
         for bucket, variant in tqdm(todo, desc="warm-up", unit="graph", disable=not progress):
             self._build(bucket, variant)
         if self.use_graphs:
+            # Prefills without the head too, where the policy may decline to draft prompts.
+            drafted_kinds = (True, False) if self.planner.skips_drafts else (True,)
             for bucket in reversed(chosen):
+                staging = self._prefills.staging(bucket)
                 for num_tokens in sorted(set(prompt_lengths), reverse=True):
-                    self._prefills.key(self.state(bucket), num_tokens)
-                    self._prefills.key(self._prefills.staging(bucket), num_tokens, kind="admit")
+                    for drafted in drafted_kinds:
+                        self._prefills.key(self.state(bucket), num_tokens, drafted=drafted)
+                        self._prefills.key(staging, num_tokens, kind="admit", drafted=drafted)
         if todo or prompt_lengths:
             settle_heap()
         return dict(self.warmups)
@@ -411,11 +417,13 @@ class Decoder:
         slots: Sequence[int],
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
+        *,
+        drafted: bool = True,
     ) -> torch.Tensor:
         """Prefill new requests into free `slots` of the bucket's state, the others keeping
-        theirs (PrefillRunner.admit: an admission graph on CUDA). Returns their prefill
-        report [len(slots), 7] int64."""
-        return self._prefills.admit(self.state(bucket), slots, prompts, params)
+        theirs (PrefillRunner.admit: an admission graph on CUDA; without `drafted`, the head
+        does not run over the prompts). Returns their prefill report [len(slots), 7] int64."""
+        return self._prefills.admit(self.state(bucket), slots, prompts, params, drafted=drafted)
 
     def start_chunked_prefill(
         self, prompt: Sequence[int], params: SamplingParams
@@ -446,12 +454,18 @@ class Decoder:
         return report
 
     def prefill_batch(
-        self, bucket: int, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+        self,
+        bucket: int,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        *,
+        drafted: bool = True,
     ) -> torch.Tensor:
         """Reset the bucket's state for a fresh batch (one request per slot, padding
-        included) and prefill it, replaying its prefill graph on CUDA when it fits. Returns
-        the prefill report [bucket, 7] int64."""
-        return self._prefills.run(self.state(bucket), prompts, params)
+        included) and prefill it, replaying its prefill graph on CUDA when it fits; without
+        `drafted`, the head does not run over the prompts (RoundPlanner.drafts_prompts).
+        Returns the prefill report [bucket, 7] int64."""
+        return self._prefills.run(self.state(bucket), prompts, params, drafted=drafted)
 
     def release(self, bucket: int, slots: Sequence[int]) -> None:
         """Mark slots of the bucket's state done (slots.release)."""

@@ -42,7 +42,9 @@ Policies, by `EngineConfig.policy` name:
   that budget shrinks with the share of its explored new requests that turned out worth a
   tree (at their own estimate after the round), so a kind that never pays stops paying for
   exploring too; the plain rounds of requests already left behind save for the next new
-  request at that shrunken share as well.
+  request at that shrunken share as well. New requests of such a kind are prefilled
+  without the head, their drafts behind from the start (`drafts_new`), but for one in as
+  many as that share says: a trial, run with the head, so the kind can still recover.
 - `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
   per request-round over the last `WINDOW` falls below `CUTOFF`, then plain decoding for
   good (TensorRT-LLM's rule; vLLM's table without the cut-off).
@@ -104,6 +106,8 @@ class Policy:
     round's accepted drafts per live row (`observe`)."""
 
     name: ClassVar[str]
+    # Whether drafts_new may return False.
+    skips_drafts: ClassVar[bool] = False
 
     def choose(
         self,
@@ -121,6 +125,17 @@ class Policy:
         """Whether the plain round just chosen for the bucket may leave the live requests'
         drafts behind for good (RoundPlanner.plan then runs a bare plain step)."""
         return False
+
+    def drafts_new(
+        self,
+        bucket: int,
+        candidates: Sequence[Candidate],
+        requests: Sequence[AcceptanceEstimate],
+        costs: RoundCosts,
+    ) -> bool:
+        """Whether new requests joining the bucket are prefilled with the head (False:
+        their drafts are left behind from the start; RoundPlanner.drafts_prompts)."""
+        return True
 
     @property
     def adaptive(self) -> bool:
@@ -190,6 +205,7 @@ class _ExploringPolicy(Policy):
 
 class CostPolicy(_ExploringPolicy):
     name = "cost"
+    skips_drafts = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -202,6 +218,9 @@ class CostPolicy(_ExploringPolicy):
         # how many of them turned out worth a tree; the explored ones not yet judged.
         self._trials: dict[Hashable, tuple[int, int]] = {}
         self._on_trial: deque[AcceptanceEstimate] = deque(maxlen=64)
+        # Per kind of request: what its new requests of a hopeless kind have earned towards
+        # being prefilled with the head (drafts_new).
+        self._draft_credit: dict[Hashable, float] = {}
 
     def choose(self, bucket, candidates, requests, costs):
         self._leave_behind[bucket] = False
@@ -233,6 +252,28 @@ class CostPolicy(_ExploringPolicy):
 
     def leaves_draft_behind(self, bucket):
         return self._leave_behind.get(bucket, False)
+
+    def drafts_new(self, bucket, candidates, requests, costs):
+        """True unless plain decoding would leave the new requests' drafts behind from the
+        start (`_hopeless` at their kinds' means) and none of them is due a trial: each new
+        request of a hopeless kind earns its kind the rate at which its explored requests
+        paid (`_trial_share` / EXPLORE_SHARE, 1 before any was judged), and the requests
+        are drafted when one's kind has earned 1, so a kind whose trials never pay runs
+        the head over ever fewer prompts."""
+        plain = [c for c in candidates if c.tree is None]
+        if not plain or any(costs.get(bucket, c) is None for c in candidates):
+            return True
+        plain_rate = self._rate(bucket, plain[0], requests, costs)
+        if not self._hopeless(bucket, candidates, requests, costs, plain_rate):
+            return True
+        due = False
+        for request in requests:
+            earned = self._draft_credit.get(request.kind, 0.0)
+            earned += self._trial_share(request.kind) / EXPLORE_SHARE
+            if earned >= 1.0:
+                earned, due = earned - 1.0, True
+            self._draft_credit[request.kind] = earned
+        return due
 
     def _rate(self, bucket, candidate, requests, costs, *, at_prior=False) -> float:
         calibration = self.calibration.get(candidate.tree, 1.0)

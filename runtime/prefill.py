@@ -192,7 +192,8 @@ def prefill_forwards(
     draft_forward: Callable | None = None,
 ) -> torch.Tensor:
     """The device side of a prefill, after `reset_requests`: empty caches and outputs, the
-    prompt forwards, the root token and the draft's pending pair. Only device tensors, no
+    prompt forwards, the root token and the draft's pending pair (`head` None: the target's
+    forward only; a state with a draft cache keeps it empty). Only device tensors, no
     host synchronisation and no branching on values, so it can be captured as a CUDA graph;
     running it again over the same inputs rebuilds the same state (but for the sampled root).
 
@@ -216,6 +217,11 @@ def prefill_forwards(
         state.draft.lengths.zero_()
         features = head.target_features(out)
         _prefill_draft(draft_forward or head, state, tokens, features, lengths)
+    elif state.draft is not None:
+        # Prefilled without the head: an empty draft cache and (root, zero feature) pending,
+        # so a tree round stays in bounds (its drafts are accepted by chance only).
+        state.draft.lengths.zero_()
+        set_pending(state.pending, state.root, torch.zeros_like(state.pending.features[:, 0]))
     return emit_root(state)
 
 

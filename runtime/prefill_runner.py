@@ -2,12 +2,15 @@
 eager) prompt forwards; and admissions, prefilled in staging states and copied into free slots
 of a running bucket.
 
-A prefill graph is captured per key `(kind, batch, padded length)` over static prompt buffers
-(tokens [B, T], lengths [B]): kind "prefill" for a batch prefilled into its bucket's state,
-kind "admit" for requests prefilled into the staging state of their admission batch (the
-smallest bucket that holds them) before `slots.copy_rows` copies their rows into the running
-bucket's free slots. Lengths are `prefill_length`'s, and a key exists only while batch x
-length <= `EngineConfig.prefill_graph_tokens`; longer prefills run the compiled forwards,
+A prefill graph is captured per key `(kind, batch, padded length, drafted)` over static
+prompt buffers (tokens [B, T], lengths [B]): kind "prefill" for a batch prefilled into its
+bucket's state, kind "admit" for requests prefilled into the staging state of their admission
+batch (the smallest bucket that holds them) before `slots.copy_rows` copies their rows into
+the running bucket's free slots; `drafted` False for requests whose drafts the policy leaves
+behind from the start (RoundPlanner.drafts_prompts): the head does not run over their
+prompts, so plain decoding costs what it costs without one (captured on first use).
+Lengths are `prefill_length`'s, and a key exists only while batch x length <=
+`EngineConfig.prefill_graph_tokens`; longer prefills run the compiled forwards,
 whose host work costs 17-39 ms for a 64-token prompt of the embedded model on an H100
 against 2-3 ms replayed (BENCHMARKS.md), which every running request would wait for.
 Each staging state holds `prefill_graph_tokens // batch` positions.
@@ -40,7 +43,7 @@ from .prefill import (
 from .round import SpecState
 from .slots import admit, copy_rows, max_prefill_rows, prefill_groups
 
-GraphKey = tuple[str, int, int]
+GraphKey = tuple[str, int, int, bool]
 
 
 class PrefillRunner:
@@ -79,12 +82,15 @@ class PrefillRunner:
         self._prompt_buffers: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self._staging: dict[int, SpecState] = {}
 
-    def run(self, state: SpecState, prompts, params, *, kind: str = "prefill") -> torch.Tensor:
-        """Prefill one prompt per slot of `state` (reset first); returns the report [B, 7]
-        int64. Replays the graph of its (kind, batch, padded length) when there is one."""
-        key = self.key(state, max(map(len, prompts)), kind=kind)
+    def run(
+        self, state: SpecState, prompts, params, *, kind: str = "prefill", drafted: bool = True
+    ) -> torch.Tensor:
+        """Prefill one prompt per slot of `state` (reset first; without `drafted`, the head
+        does not run); returns the report [B, 7] int64. Replays the graph of its (kind, batch,
+        padded length, drafted) when there is one."""
+        key = self.key(state, max(map(len, prompts)), kind=kind, drafted=drafted)
         if key is None:
-            head = self._head_for(len(prompts))
+            head = self._head_for(len(prompts)) if drafted else None
             return prefill_groups(
                 self.target, head, state, prompts, params, self._eos_token_ids,
                 max_rows=self._max_rows, **self._forwards,
@@ -97,7 +103,9 @@ class PrefillRunner:
         lengths.copy_(host_lengths, non_blocking=True)
         return self._runner.replay(key)
 
-    def key(self, state: SpecState, num_tokens: int, *, kind: str = "prefill") -> GraphKey | None:
+    def key(
+        self, state: SpecState, num_tokens: int, *, kind: str = "prefill", drafted: bool = True
+    ) -> GraphKey | None:
         """The key of the prefill graph for prompts of at most `num_tokens` in the state's
         batch size (captured now if it is new), or None when such a prefill runs without
         one."""
@@ -105,7 +113,7 @@ class PrefillRunner:
         length = prefill_length(num_tokens, max_length=self.config.max_seq_len)
         if self._runner is None or batch * length > self.config.prefill_graph_tokens:
             return None
-        key = (kind, batch, length)
+        key = (kind, batch, length, drafted and self.head is not None)
         if key not in self._runner:
             self._capture(key, state)
         return key
@@ -116,25 +124,27 @@ class PrefillRunner:
         slots: Sequence[int],
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
+        *,
+        drafted: bool = True,
     ) -> torch.Tensor:
         """Prefill new requests into free `slots` of `state`, the others untouched: replaying
         the admission graph of the staging state of the smallest bucket that holds them, or
         (no graphs, or prompts too long for one) `slots.admit` with the compiled forwards
-        (on the CPU in padded groups). Returns their prefill report [len(slots), 7] int64."""
+        (on the CPU in padded groups). Without `drafted`, the head does not run. Returns
+        their prefill report [len(slots), 7] int64."""
         if self._runner is not None:
             staging = self.staging(self.config.bucket_for(len(slots)))
-            key = self.key(staging, max(map(len, prompts)), kind="admit")
+            key = self.key(staging, max(map(len, prompts)), kind="admit", drafted=drafted)
             if key is not None:
                 padding = staging.root.shape[0] - len(slots)
                 prompts = [*prompts, *[[0]] * padding]
-                report = self.run(
-                    staging, prompts, [*params, *[PADDING_PARAMS] * padding], kind="admit"
-                )
+                params = [*params, *[PADDING_PARAMS] * padding]
+                report = self.run(staging, prompts, params, kind="admit", drafted=drafted)
                 copy_rows(staging, state, slots, num_positions=key[2])
                 return report[: len(slots)]
         return admit(
             self.target, self.head, state, slots, prompts, params, self._eos_token_ids,
-            max_rows=self._max_rows, **self._forwards,
+            max_rows=self._max_rows, drafted=drafted, **self._forwards,
         )  # fmt: skip
 
     def staging(self, batch: int) -> SpecState:
@@ -148,8 +158,10 @@ class PrefillRunner:
         return self._staging[batch]
 
     def graphs(self, kind: str) -> list[tuple[int, int]]:
-        """The (batch, padded prompt length) pairs whose `kind` graphs are captured."""
-        return sorted((batch, length) for k, batch, length in self._prompt_buffers if k == kind)
+        """The (batch, padded prompt length) pairs whose `kind` graphs are captured (with
+        the head, or without it where the head does not run)."""
+        found = {(batch, length) for k, batch, length, _ in self._prompt_buffers if k == kind}
+        return sorted(found)
 
     def close(self) -> None:
         self._staging.clear()
@@ -160,12 +172,12 @@ class PrefillRunner:
         """Capture the prefill forwards over static prompt buffers of the key's (batch,
         length): full-length zero prompts during the warm-up (whose effects on the state the
         next prefill resets)."""
-        kind, batch, length = key
+        kind, batch, length, drafted = key
         device = state.root.device
         tokens = torch.zeros(batch, length, dtype=torch.int64, device=device)
         lengths = torch.full((batch,), length, dtype=torch.int64, device=device)
         self._prompt_buffers[key] = tokens, lengths
-        head = self.head if kind == "admit" else self._head_for(batch)
+        head = None if not drafted else self.head if kind == "admit" else self._head_for(batch)
         step = functools.partial(
             prefill_forwards, self.target, head, state, tokens, lengths, **self._forwards
         )

@@ -81,10 +81,14 @@ class DecoderOps:
         self.chunks: dict[int, _Chunked] = {}
 
     def prefill_batch(
-        self, bucket: int, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        bucket: int,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        drafted: bool,
     ) -> torch.Tensor:
         """Decoder.prefill_batch: the report [bucket, 7] int64."""
-        return self.decoder.prefill_batch(bucket, prompts, params)
+        return self.decoder.prefill_batch(bucket, prompts, params, drafted=drafted)
 
     def admit(
         self,
@@ -92,9 +96,10 @@ class DecoderOps:
         slots: list[int],
         prompts: list[list[int]],
         params: list[SamplingParams],
+        drafted: bool,
     ) -> torch.Tensor:
         """Decoder.admit: the report [len(slots), 7] int64."""
-        return self.decoder.admit(bucket, slots, prompts, params)
+        return self.decoder.admit(bucket, slots, prompts, params, drafted=drafted)
 
     def start_chunked_prefill(
         self, key: int, prompt: list[int], params: SamplingParams
@@ -183,10 +188,15 @@ class ReplicatedDecoder:
         return getattr(self._ops, name)(*args, **kwargs)
 
     def prefill_batch(
-        self, bucket: int, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+        self,
+        bucket: int,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        *,
+        drafted: bool = True,
     ) -> torch.Tensor:
         """Decoder.prefill_batch on every rank; rank 0's report [bucket, 7] int64."""
-        return self._run("prefill_batch", bucket, _lists(prompts), list(params))
+        return self._run("prefill_batch", bucket, _lists(prompts), list(params), drafted)
 
     def admit(
         self,
@@ -194,9 +204,11 @@ class ReplicatedDecoder:
         slots: Sequence[int],
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
+        *,
+        drafted: bool = True,
     ) -> torch.Tensor:
         """Decoder.admit on every rank; rank 0's report [len(slots), 7] int64."""
-        return self._run("admit", bucket, list(slots), _lists(prompts), list(params))
+        return self._run("admit", bucket, list(slots), _lists(prompts), list(params), drafted)
 
     def start_chunked_prefill(
         self, prompt: Sequence[int], params: SamplingParams

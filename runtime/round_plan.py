@@ -184,6 +184,30 @@ class RoundPlanner:
             estimate.num_in_step_in_flight += estimate.in_step
         return chosen
 
+    @property
+    def skips_drafts(self) -> bool:
+        """Whether `drafts_prompts` may return False (the policy may decline to draft)."""
+        return self.speculates and self.policy.skips_drafts
+
+    def drafts_prompts(
+        self,
+        bucket: int,
+        params: Sequence[SamplingParams],
+        estimates: Sequence[AcceptanceEstimate],
+    ) -> bool:
+        """Whether new requests with these parameters and fresh estimates, joining the
+        bucket, are prefilled with the head: the policy's `drafts_new`. When they are not,
+        their estimates are marked out of step, as a plain round leaving their drafts
+        behind would have marked them."""
+        if not self.speculates:
+            return True
+        drafted = self.policy.drafts_new(
+            bucket, self.candidates(bucket, params), estimates, self.costs
+        )
+        for estimate in estimates:
+            estimate.in_step = estimate.in_step and drafted
+        return drafted
+
     def _choose(
         self,
         bucket: int,

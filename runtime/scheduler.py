@@ -10,7 +10,9 @@ Requests are submitted from any thread into a bounded FIFO waiting queue (beyond
   lowest free slots while the budget lasts (a request that does not fit waits, and all
   behind it). A prompt that fits the budget is prefilled whole: into an idle decoder as one
   batch prefill of the bucket (its prefill graph on CUDA), into a running one with
-  `Decoder.admit` (the others keep their KV caches and positions). A longer one reserves
+  `Decoder.admit` (the others keep their KV caches and positions); without the head when
+  the policy leaves the new requests' drafts behind from the start
+  (RoundPlanner.drafts_prompts). A longer one reserves
   its slot and is prefilled in chunks of what is left of the budget, one chunk a pass
   (runtime/chunked_prefill.py), so the running requests keep getting a round every pass;
   requests behind it are admitted meanwhile when a pass's chunks leave budget. A reserved
@@ -353,17 +355,22 @@ class Scheduler:
         bucket = self.decoder.config.bucket_for(max(slots) + 1)
         prompts = [h.prompt_token_ids for h in handles]
         params = [h.params for h in handles]
+        estimates = [self._acceptance.get(h, kind=h.params.greedy) for h in handles]
+        drafted = self.decoder.planner.drafts_prompts(bucket, params, estimates)
         if idle and slots == list(range(len(slots))):
             # Nothing decodes: a batch prefill of the whole bucket (graph-captured on CUDA);
             # it leaves the padding rows done, as slots reserved for chunks must stay.
             padding = bucket - len(slots)
             prompts += [[0]] * padding
             params += [PADDING_PARAMS] * padding
-            run = functools.partial(self.decoder.prefill_batch, bucket, prompts, params)
-            self._reader.submit(run, tag=("prefill", handles))
+            run = functools.partial(
+                self.decoder.prefill_batch, bucket, prompts, params, drafted=drafted
+            )
         else:
-            run = functools.partial(self.decoder.admit, bucket, slots, prompts, params)
-            self._reader.submit(run, tag=("prefill", handles))
+            run = functools.partial(
+                self.decoder.admit, bucket, slots, prompts, params, drafted=drafted
+            )
+        self._reader.submit(run, tag=("prefill", handles))
 
     def _resize(self, *, shrink: bool) -> None:
         """Run the smallest bucket holding every live slot; with `shrink` (nobody waits),

@@ -100,12 +100,14 @@ def admit(
     max_rows: int | None = None,
     target_forward: Callable | None = None,
     draft_forward: Callable | None = None,
+    drafted: bool = True,
 ) -> torch.Tensor:
     """Prefill one request per slot into `slots` of `state`, leaving every other slot as it
     is. The slots must be free (done); the caller checks that prompt + max_new_tokens fit.
 
     max_rows: prefill in padded groups of forwards of at most this many rows
     (`prefill_groups`; None: one unpadded forward).
+    drafted: False: the head does not run over the prompts (their draft stays empty).
     Returns the prefill report [len(slots), 7] int64 (ReportColumns: the root token emitted)
     of the admitted slots, in `slots` order.
     """
@@ -122,7 +124,7 @@ def admit(
     )
     report = prefill_groups(
         target,
-        head,
+        head if drafted else None,
         staging,
         prompts,
         params,

@@ -112,18 +112,27 @@ class TargetAsDraft(torch.nn.Module):
 
 class ShuffledPolicy(Policy):
     """A speculation policy (runtime/policy.py) that picks any candidate at random, so the
-    shape changes between rounds, and with probability `leave_behind` lets a plain round
-    leave the drafts behind for good; remembers each round's tree and accepted drafts."""
+    shape changes between rounds, with probability `leave_behind` lets a plain round leave
+    the drafts behind for good, and with probability `undrafted` has new requests prefilled
+    without the head; remembers each round's tree and accepted drafts, and each admission's
+    choice (`drafted`)."""
 
     name = "shuffled"
 
-    def __init__(self, seed: int, *, leave_behind: float = 0.0) -> None:
+    def __init__(self, seed: int, *, leave_behind: float = 0.0, undrafted: float = 0.0) -> None:
         import random
 
         self._random = random.Random(seed)
         self._leave_behind = leave_behind
         self._left_behind = False
+        self._undrafted = undrafted
+        self.skips_drafts = undrafted > 0
         self.observed: list[tuple[object, list[int]]] = []
+        self.drafted: list[bool] = []
+
+    def drafts_new(self, bucket, candidates, requests, costs):
+        self.drafted.append(self._random.random() >= self._undrafted)
+        return self.drafted[-1]
 
     def choose(self, bucket, candidates, requests, costs):
         chosen = self._random.choice(candidates)

@@ -205,6 +205,34 @@ def test_greedy_batches_run_a_stochastic_bucket_as_its_top_k_tree(target, monkey
     assert calls
 
 
+@pytest.mark.parametrize("admitted", [False, True])
+def test_prompts_prefilled_without_the_head_leave_an_empty_draft(target, admitted):
+    """A batch prefill or an admission that is not drafted never runs the head: the draft
+    cache stays empty and (root, zero feature) is pending; a drafted one runs it."""
+    decoder = _decoder(target)
+    head = decoder.head
+    state = decoder.state(2)
+    params = [SamplingParams(max_new_tokens=4)] * 2
+    num_calls = []
+    hook = head.register_forward_pre_hook(lambda *_: num_calls.append(1))
+    try:
+        for drafted in (True, False):
+            num_calls.clear()
+            with torch.no_grad():
+                if admitted:
+                    decoder.admit(2, [0, 1], PROMPTS[:2], params, drafted=drafted)
+                else:
+                    decoder.prefill_batch(2, PROMPTS[:2], params, drafted=drafted)
+            assert bool(num_calls) == drafted
+            assert state.draft.lengths.tolist() == ([4, 1] if drafted else [0, 0])
+            assert state.pending.tokens[:, 0].tolist() == state.root.tolist()
+            assert state.pending.num_valid.tolist() == [1, 1]
+            assert bool(state.pending.features.any()) == drafted
+            decoder.release(2, [0, 1])
+    finally:
+        hook.remove()
+
+
 def test_stop_ids_max_new_zero_and_statistics(target):
     """A stop id ends the request at its first occurrence (the stop token included); the
     stop id is the fifth token the request decodes without stop ids, so it ends mid-answer."""

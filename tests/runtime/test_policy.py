@@ -349,6 +349,39 @@ def test_exploring_rounds_read_after_the_draft_was_left_behind_still_count():
     assert 1 <= lag[0] <= no_lag[0] + 2 < 30, (no_lag, lag)
 
 
+def test_cost_prefills_new_requests_of_a_kind_that_never_pays_without_the_head():
+    """New requests of a hopeless kind are prefilled without the head (their drafts out of
+    step from the start, so no tree runs for them), but for trials at the rate its explored
+    requests paid; a kind whose trials pay keeps being drafted."""
+    config = EngineConfig(device="cpu", buckets=(1,), policy="cost", trees={1: DEEP})
+    params = [SamplingParams()]
+
+    def drafted_requests(num_accepted: int) -> int:
+        planner = RoundPlanner(config, has_head=True)
+        for variant in planner.candidates(1, params):
+            for _ in range(2):  # the first run is not counted
+                planner.costs.observe(1, variant.cost_key, GPU_COSTS[variant.tree])
+        book = AcceptanceBook(priors={True: 0.02}, num_observed={True: 10**6})
+        num_drafted = 0
+        for request in range(60):
+            estimate = book.get(request, kind=True)
+            drafted = planner.drafts_prompts(1, params, [estimate])
+            assert estimate.in_step == drafted
+            num_drafted += drafted
+            for _ in range(100):
+                variant = planner.plan(1, params, [estimate])
+                assert drafted or variant.tree is None
+                accepted = num_accepted if variant.tree is not None else 0
+                book.observe(request, variant.tree, accepted)
+                planner.done(1, variant, GPU_COSTS[variant.tree], [accepted])
+            book.forget(request)
+        return num_drafted
+
+    never_pays = drafted_requests(num_accepted=0)
+    assert 2 <= never_pays <= 15, never_pays
+    assert drafted_requests(num_accepted=LADDER[-2].tree.depth) >= 50
+
+
 def test_cost_calibrates_a_sampled_tree_that_accepts_less_than_modelled():
     """Sampled trees whose rounds accept a fifth of what the model expects of them (as at
     temperature 1) make plain decoding win for the same estimates; top-k trees keep the

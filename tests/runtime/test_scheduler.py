@@ -18,7 +18,7 @@ from specrun.runtime.policy import CostPolicy
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.scheduler import Scheduler
 from specrun.runtime.tree import TreeShape
-from tiny_models import targets_with_heads
+from tiny_models import ShuffledPolicy, targets_with_heads
 
 # Depths differ per bucket, so slots moving between buckets carry more pending pairs than
 # the shallower round makes.
@@ -83,6 +83,18 @@ def _run(scheduler: Scheduler, requests) -> list:
     raise AssertionError("the scheduler did not finish the requests in 400 passes")
 
 
+def _check_against_reference(target, handles, requests) -> None:
+    """Each request decoded what the reference decodes alone; a cancelled one a prefix."""
+    for handle, (prompt, params, _, cancel) in zip(handles, requests, strict=True):
+        [want] = reference_generate(target, [prompt], params)
+        got = handle.result(timeout=0)
+        if got.finish_reason == FINISH_CANCELLED:
+            assert cancel is not None
+            assert got.token_ids == want.token_ids[: len(got.token_ids)]
+        else:
+            assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+
+
 @pytest.mark.parametrize("kind", ["perfect", "eagle3", "plain"])
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -92,21 +104,33 @@ def test_requests_decode_what_each_decodes_alone(models, kind, requests):
     target, head = models[kind]
     scheduler = _scheduler(target, head)
     with torch.no_grad():
-        handles = _run(scheduler, requests)
-        for handle, (prompt, params, _, cancel) in zip(handles, requests, strict=True):
-            [want] = reference_generate(target, [prompt], params)
-            got = handle.result(timeout=0)
-            if got.finish_reason == FINISH_CANCELLED:
-                assert cancel is not None
-                assert got.token_ids == want.token_ids[: len(got.token_ids)]
-            else:
-                assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+        _check_against_reference(target, _run(scheduler, requests), requests)
     assert scheduler.slots == [None] * 4
     assert not scheduler._chunks
     assert bool(scheduler.decoder.state(4).done.all())
     stats = scheduler.stats()
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_requests == len(requests)
+
+
+@pytest.mark.parametrize("kind", ["perfect", "eagle3"])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(requests=workloads(), seed=st.integers(0, 2**16))
+def test_requests_prefilled_without_the_head_decode_what_each_decodes_alone(
+    models, kind, requests, seed
+):
+    """Admissions the policy declines to draft (the head does not run over their prompts,
+    their drafts empty), among drafted ones and under shapes changing every round, trees
+    included: every request still decodes the reference's tokens."""
+    target, head = models[kind]
+    scheduler = _scheduler(target, head)
+    policy = ShuffledPolicy(seed, leave_behind=0.2, undrafted=0.5)
+    scheduler.decoder.planner.policy = policy
+    with torch.no_grad():
+        _check_against_reference(target, _run(scheduler, requests), requests)
+    assert scheduler.slots == [None] * 4
 
 
 def test_a_batch_grows_and_shrinks_across_buckets(models):
