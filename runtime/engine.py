@@ -320,14 +320,14 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Output]:
         """Decode prompts (strings or token-id lists; one or a list) to completion, with one
-        SamplingParams for all or one per prompt; outputs in prompt order. Requests beyond the
-        waiting queue wait for room (with `EngineConfig(queue=False)`, lists larger than the
-        largest bucket are refused)."""
+        SamplingParams for all or one per prompt; outputs in prompt order. The prompts are
+        queued together, so the loop admits them as one batch as far as slots and the prefill
+        budget allow; requests beyond the waiting queue wait for room (with
+        `EngineConfig(queue=False)`, lists larger than the largest bucket are refused)."""
         encoded, params = self._requests(prompts, params)
         handles: list[RequestHandle] = []
         try:
-            for ids, p in zip(encoded, params, strict=True):
-                handles.append(self._scheduler.submit(ids, p, block=True))
+            handles = self._scheduler.submit_all(list(zip(encoded, params, strict=True)))
             return [handle.result() for handle in handles]
         finally:
             for handle in handles:

@@ -124,7 +124,22 @@ class Scheduler:
     ) -> RequestHandle:
         """Queue a validated request. With `block`, wait for room in the waiting queue;
         else raise EngineOverloadedError when it is full."""
-        handle = RequestHandle(
+        handle = self._handle(prompt, params, listener=listener)
+        self._queue([handle], block=block)
+        return handle
+
+    def submit_all(
+        self, requests: Sequence[tuple[Sequence[int], SamplingParams]]
+    ) -> list[RequestHandle]:
+        """Queue validated (prompt, params) requests together, waiting for room in the
+        waiting queue: the loop admits them in one pass as far as slots and the prefill
+        budget allow, instead of starting the first alone while the rest are queued."""
+        handles = [self._handle(prompt, params) for prompt, params in requests]
+        self._queue(handles, block=True)
+        return handles
+
+    def _handle(self, prompt, params, *, listener=None) -> RequestHandle:
+        return RequestHandle(
             next(self._ids),
             prompt,
             params,
@@ -132,22 +147,36 @@ class Scheduler:
             cancel=self.cancel,
             listener=listener,
         )
-        with self._cond:
-            self._ensure_running()
-            while len(self._waiting) >= self._max_waiting:
-                if not block:
-                    self._stats.num_rejected += 1
-                    raise EngineOverloadedError(
-                        f"{len(self._waiting)} requests are already waiting for a slot "
-                        f"(max_waiting={self._max_waiting}); retry later or raise "
-                        "EngineConfig(max_waiting=...)"
-                    )
-                self._cond.wait()
-                self._ensure_running()
-            self._waiting.append(handle)
-            self._stats.num_waiting = len(self._waiting)
-            self._cond.notify_all()
-        return handle
+
+    def _queue(self, handles: list[RequestHandle], *, block: bool) -> None:
+        """Append `handles` to the waiting queue as room allows (all at once when it has
+        room for them), waiting for room with `block`, else raising EngineOverloadedError
+        when it is full. If the wait ends in an error (the engine closed, an interrupt),
+        the handles already queued are cancelled."""
+        num_queued = 0
+        try:
+            with self._cond:
+                while num_queued < len(handles):
+                    self._ensure_running()
+                    room = self._max_waiting - len(self._waiting)
+                    if room <= 0 and not block:
+                        self._stats.num_rejected += 1
+                        raise EngineOverloadedError(
+                            f"{len(self._waiting)} requests are already waiting for a slot "
+                            f"(max_waiting={self._max_waiting}); retry later or raise "
+                            "EngineConfig(max_waiting=...)"
+                        )
+                    if room <= 0:
+                        self._cond.wait()
+                        continue
+                    self._waiting.extend(handles[num_queued : num_queued + room])
+                    num_queued = min(len(handles), num_queued + room)
+                    self._stats.num_waiting = len(self._waiting)
+                    self._cond.notify_all()
+        except BaseException:
+            for handle in handles[:num_queued]:
+                self.cancel(handle)
+            raise
 
     def cancel(self, handle: RequestHandle) -> None:
         """End a request: a waiting one at once, a running one before the next round."""

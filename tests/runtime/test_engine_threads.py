@@ -5,6 +5,7 @@ a closed engine refuses work."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -129,6 +130,44 @@ def test_asyncio_generate_stream_and_cancellation(engine, alone):
 
 async def _join(stream) -> str:
     return "".join([delta async for delta in stream])
+
+
+def test_a_list_is_admitted_as_one_batch_and_a_longer_one_waits_for_room(
+    engine, alone, monkeypatch
+):
+    """`generate` queues its prompts together: the loop prefills the four in one batch, even
+    when it gets to run between two single submissions (here each is followed by a pause),
+    not the first alone while the rest are queued; eight prompts with room for two waiting
+    still decode what each decodes alone."""
+    sizes = []
+    prefill_batch = engine.decoder.prefill_batch
+    submit = engine._scheduler.submit
+
+    def recorded(bucket, prompts, params, **options):
+        sizes.append(sum(p.max_new_tokens > 0 for p in params))
+        return prefill_batch(bucket, prompts, params, **options)
+
+    def submit_then_pause(*args, **kwargs):
+        handle = submit(*args, **kwargs)
+        time.sleep(0.2)
+        return handle
+
+    monkeypatch.setattr(engine._scheduler, "submit", submit_then_pause)
+    engine.decoder.prefill_batch = recorded
+    try:
+        for _ in range(3):
+            sizes.clear()
+            outputs = engine.generate(PROMPTS[:4], [_params(i) for i in range(4)])
+            assert [o.text for o in outputs] == alone[:4]
+            assert sizes == [4]
+    finally:
+        del engine.decoder.prefill_batch
+    few_waiting = Engine(engine.model, engine.tokenizer, dataclasses.replace(CONFIG, max_waiting=2))
+    try:
+        outputs = few_waiting.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))])
+        assert [o.text for o in outputs] == alone
+    finally:
+        few_waiting.close()
 
 
 def test_a_closed_engine_refuses_requests(smollm_dir):
