@@ -8,7 +8,8 @@ bucket's state, kind "admit" for requests prefilled into the staging state of th
 batch (the smallest bucket that holds them) before `slots.copy_rows` copies their rows into
 the running bucket's free slots; `drafted` False for requests whose drafts the policy leaves
 behind from the start (RoundPlanner.drafts_prompts): the head does not run over their
-prompts, so plain decoding costs what it costs without one (captured on first use).
+prompts, so plain decoding costs what it costs without one (captured by the warm-up
+where the policy may decline to draft, `RoundPlanner.skips_drafts`, else on first use).
 Lengths are `prefill_length`'s, and a key exists only while batch x length <=
 `EngineConfig.prefill_graph_tokens`; longer prefills run the compiled forwards,
 whose host work costs 17-39 ms for a 64-token prompt of the embedded model on an H100
