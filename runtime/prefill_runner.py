@@ -2,14 +2,15 @@
 eager) prompt forwards; and admissions, prefilled in staging states and copied into free slots
 of a running bucket.
 
-A prefill graph is captured per key `(kind, batch, padded length, drafted)` over static
-prompt buffers (tokens [B, T], lengths [B]): kind "prefill" for a batch prefilled into its
-bucket's state, kind "admit" for requests prefilled into the staging state of their admission
-batch (the smallest bucket that holds them) before `slots.copy_rows` copies their rows into
-the running bucket's free slots; `drafted` False for requests whose drafts the policy leaves
-behind from the start (RoundPlanner.drafts_prompts): the head does not run over their
-prompts, so plain decoding costs what it costs without one (captured by the warm-up
-where the policy may decline to draft, `RoundPlanner.skips_drafts`, else on first use).
+A prefill graph is captured per key `(kind, batch, padded length, whether the head runs)`
+over static prompt buffers (tokens [B, T], lengths [B]): kind "prefill" for a batch
+prefilled into its bucket's state, kind "admit" for requests prefilled into the staging state
+of their admission batch (the smallest bucket that holds them) before `slots.copy_rows`
+copies their rows into the running bucket's free slots. The head does not run for requests
+whose drafts the policy leaves behind from the start (`drafted` False:
+RoundPlanner.drafts_prompts), so plain decoding costs what it costs without one; those
+graphs are captured by the warm-up where the policy may decline to draft
+(`RoundPlanner.skips_drafts`), else on first use.
 Lengths are `prefill_length`'s, and a key exists only while batch x length <=
 `EngineConfig.prefill_graph_tokens`; longer prefills run the compiled forwards,
 whose host work costs 17-39 ms for a 64-token prompt of the embedded model on an H100
@@ -91,7 +92,7 @@ class PrefillRunner:
         padded length, drafted) when there is one."""
         key = self.key(state, max(map(len, prompts)), kind=kind, drafted=drafted)
         if key is None:
-            head = self._head_for(len(prompts)) if drafted else None
+            head = self._head(kind, len(prompts), drafted=drafted)
             return prefill_groups(
                 self.target, head, state, prompts, params, self._eos_token_ids,
                 max_rows=self._max_rows, **self._forwards,
@@ -114,7 +115,7 @@ class PrefillRunner:
         length = prefill_length(num_tokens, max_length=self.config.max_seq_len)
         if self._runner is None or batch * length > self.config.prefill_graph_tokens:
             return None
-        key = (kind, batch, length, drafted and self.head is not None)
+        key = (kind, batch, length, self._head(kind, batch, drafted=drafted) is not None)
         if key not in self._runner:
             self._capture(key, state)
         return key
@@ -168,6 +169,14 @@ class PrefillRunner:
         self._staging.clear()
         self._prompt_buffers.clear()
 
+    def _head(self, kind: str, batch: int, *, drafted: bool) -> DraftHead | None:
+        """The head a prefill of `kind` and `batch` slots runs (None: the target alone):
+        none unless `drafted`; an admission's always, as the bucket it joins may draft; a
+        batch's, its bucket's (`head_for`)."""
+        if not drafted:
+            return None
+        return self.head if kind == "admit" else self._head_for(batch)
+
     @torch.inference_mode()
     def _capture(self, key: GraphKey, state: SpecState) -> None:
         """Capture the prefill forwards over static prompt buffers of the key's (batch,
@@ -178,7 +187,7 @@ class PrefillRunner:
         tokens = torch.zeros(batch, length, dtype=torch.int64, device=device)
         lengths = torch.full((batch,), length, dtype=torch.int64, device=device)
         self._prompt_buffers[key] = tokens, lengths
-        head = None if not drafted else self.head if kind == "admit" else self._head_for(batch)
+        head = self._head(kind, batch, drafted=drafted)
         step = functools.partial(
             prefill_forwards, self.target, head, state, tokens, lengths, **self._forwards
         )

@@ -204,8 +204,9 @@ class RoundPlanner:
         drafted = self.policy.drafts_new(
             bucket, self.candidates(bucket, params), estimates, self.costs
         )
-        for estimate in estimates:
-            estimate.in_step = estimate.in_step and drafted
+        if not drafted:
+            for estimate in estimates:
+                estimate.in_step = False
         return drafted
 
     def _choose(
