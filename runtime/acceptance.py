@@ -6,8 +6,12 @@ that a level of a one-wide chain is accepted, given the levels above it were. A 
 offers about w = min(K, (N - 1) / D) candidates, and is accepted when one of them is, so its
 acceptance is a = 1 - (1 - alpha)^w, and the accepted length of a depth-D tree is
 sum_{d=1..D} a^d (levels accepted one after another, as the walk goes). Every speculative
-round refines alpha from what the request accepted under the shape it ran (a smoothed
-per-level rate mapped back through the width). Plain rounds say nothing about it, so each one
+round moves the accepted length expected of the shape it ran a step (`ALPHA_RATE`) towards
+what the request accepted, and maps that back to alpha (`alpha_for`): the estimate follows
+the accepted length itself. (Averaging per-round level rates mapped through the width instead
+under-predicted by 13-19%: accepted lengths are far from geometric, most rounds stopping at
+the root or running the whole depth, and the mapping is not linear.) Plain rounds say nothing
+about it, so each one
 moves it a small step back towards the running mean of the engine's requests of its kind
 (`STALE_RATE`; greedy and sampling requests keep separate means, as they accept very
 differently): a request that fell back to plain decoding after a few poor rounds is tried
@@ -91,12 +95,28 @@ def expected_accepted(alpha: float, tree: TreeShape | StaticTree | None) -> floa
 
 def alpha_for(accepted: float, tree: TreeShape | StaticTree) -> float:
     """The chain acceptance whose expected accepted drafts per round of `tree` is `accepted`
-    (clamped to what the tree can accept; expected_accepted rises with alpha)."""
-    low, high = 0.0, 1.0
-    for _ in range(50):
-        middle = (low + high) / 2
-        low, high = (middle, high) if expected_accepted(middle, tree) < accepted else (low, middle)
-    return (low + high) / 2
+    (clamped to what the tree can accept)."""
+    return chain_acceptance(_level_for(accepted, tree.depth), level_width(tree))
+
+
+def _level_for(accepted: float, depth: int) -> float:
+    """The level acceptance a in [0, 1] with sum_{d=1..depth} a^d = `accepted` (clamped to
+    [0, depth]), by Newton's method on that increasing, convex polynomial: started above the
+    root (at 1), every step stays above it, so a handful of steps converge."""
+    if accepted <= 0.0:
+        return 0.0
+    if accepted >= depth:
+        return 1.0
+    level = 1.0
+    for _ in range(64):
+        powers = [level**d for d in range(depth + 1)]
+        value = sum(powers[1:]) - accepted
+        slope = sum(d * powers[d - 1] for d in range(1, depth + 1))
+        step = value / slope
+        level -= step
+        if step < 1e-12:
+            break
+    return min(max(level, 0.0), 1.0)
 
 
 def chain_acceptance(level: float, width: float) -> float:
@@ -196,13 +216,8 @@ class AcceptanceEstimate:
         self.confidence = _blend(self.confidence, confidence, rate)
         self.divergence = _blend(self.divergence, divergence, rate)
         self.divergence_square = _blend(self.divergence_square, divergence**2, rate)
-        # One round of a depth-D walk is `accepted` level successes and one failure unless it
-        # went all the way; smoothed by one pseudo-trial at the current estimate.
-        width = level_width(tree)
-        prior_level = 1.0 - (1.0 - self.alpha) ** width
-        failures = 1 if num_accepted < tree.depth else 0
-        level = (num_accepted + prior_level) / (num_accepted + failures + 1)
-        self.alpha = _blend(self.alpha, chain_acceptance(level, width), ALPHA_RATE)
+        expected = expected_accepted(self.alpha, tree)
+        self.alpha = alpha_for(_blend(expected, num_accepted, ALPHA_RATE), tree)
         self.typical_alpha += (self.alpha - self.typical_alpha) / self.num_speculative_rounds
 
     @property
@@ -327,6 +342,10 @@ class RoundCosts:
         """The round's cost in seconds, or None until it has run twice (or a profile gave
         it)."""
         return self._seconds.get((bucket, key))
+
+    def buckets(self) -> list[int]:
+        """The buckets some round's cost is known in, smallest first."""
+        return sorted({bucket for bucket, _ in self._seconds})
 
     def seed(self, bucket: int, key: Hashable, seconds: float) -> None:
         """Start the round's average at a measured value (runtime/cost_profile.py)."""

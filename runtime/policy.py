@@ -13,11 +13,15 @@ Policies, by `EngineConfig.policy` name:
   live requests of (1 + expected accepted drafts) divided by the round's measured seconds
   (runtime/acceptance.py); a shape not yet measured runs first.
   While no request waits for a slot, nothing refills the slots of requests that end, so the
-  batch takes as long as its slowest request: the shape that minimises the rounds it needs
-  times their cost (the most, over the requests, of remaining tokens / (1 + expected
-  accepted drafts)). Where a tree costs twice a plain step, overrating the slowest request
-  costs more than underrating it: a lower quartile of the requests instead kept trees
-  running at batch 16 that the slowest request did not pay for. A request that has not yet
+  batch takes as long as its slowest request: the shape that minimises the time until the
+  last request ends. Under a shape, each request ends after remaining tokens / (1 + expected
+  accepted drafts) rounds; the batch pays this bucket's cost until few enough are left to
+  run in a smaller bucket, then that bucket's (the shape's cost scaled as the plain step's
+  is between the buckets). So a tree that the slowest request alone would not pay for still
+  runs when it ends the others early enough that the slowest finishes in a cheaper bucket.
+  Where a tree costs twice a plain step, overrating the slowest request costs more than
+  underrating it: a lower quartile of the requests instead kept trees running at batch 16
+  that the slowest request did not pay for. A request that has not yet
   run a few speculative rounds is expected to accept no more than the slowest of a batch
   of its size that its kind's finished requests make likely (`AcceptanceBook.slowest_of`):
   the kind's mean says little about a batch's slowest request.
@@ -60,6 +64,7 @@ Policies, by `EngineConfig.policy` name:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -278,7 +283,10 @@ class CostPolicy(_ExploringPolicy):
     def _rate(self, bucket, candidate, requests, costs, *, at_prior=False) -> float:
         calibration = self.calibration.get(candidate.tree, 1.0)
         seconds = costs.get(bucket, candidate)
-        return _tokens_per_second(candidate, requests, seconds, calibration, at_prior=at_prior)
+        shrinking = _shrinking_costs(bucket, candidate, costs)
+        return _tokens_per_second(
+            candidate, requests, seconds, calibration, at_prior=at_prior, shrinking=shrinking
+        )
 
     def _hopeless(self, bucket, candidates, requests, costs, plain_rate: float) -> bool:
         """Whether plain decoding (at `plain_rate`) beats every tree by LEAVE_BEHIND_MARGIN
@@ -370,13 +378,15 @@ def _tokens_per_second(
     calibration: float = 1.0,
     *,
     at_prior: bool = False,
+    shrinking: Sequence[tuple[int, float]] = (),
 ) -> float:
     """The batch's expected tokens per second under `candidate` (expected accepted drafts
     times `calibration`; with `at_prior`, of requests accepting what their kind does on
-    average); while no request waits (every `remaining` known), the rate at which its
-    slowest request ends instead (the least of the requests' progress per round through what
-    remains of them, new requests judged by the slowest their kind's spread makes likely:
-    AcceptanceEstimate.expected's `as_slowest`), scaled to the batch's tokens."""
+    average); while no request waits (every `remaining` known), the batch's tokens over the
+    time it takes to end: the requests end one after another after remaining tokens /
+    progress per round rounds (new requests judged by the slowest their kind's spread makes
+    likely: AcceptanceEstimate.expected's `as_slowest`), and once few enough are left the
+    batch runs in a smaller bucket at `shrinking`'s relative cost (`_shrinking_costs`)."""
     # `slowest` is set only while no request waits, so the cap applies only to that case.
     tree = candidate.tree
     gains = [
@@ -385,8 +395,33 @@ def _tokens_per_second(
     if not requests or any(r.remaining is None for r in requests):
         return sum(gains) / seconds
     total = sum(max(r.remaining, 1) for r in requests)
-    progress = min(g / max(r.remaining, 1) for g, r in zip(gains, requests, strict=True))
-    return progress * total / seconds
+    ends = sorted(max(r.remaining, 1) / g for g, r in zip(gains, requests, strict=True))
+    elapsed = done = 0.0
+    for num_ended, end in enumerate(ends):
+        num_live = len(ends) - num_ended
+        scale = next((s for b, s in shrinking if b >= num_live), 1.0)
+        elapsed += (end - done) * scale
+        done = end
+    return total / (elapsed * seconds)
+
+
+def _shrinking_costs(
+    bucket: int, candidate: Candidate, costs: RoundCosts
+) -> list[tuple[int, float]]:
+    """For each smaller bucket whose plain step was measured, smallest first: (the bucket, its
+    plain step's seconds over this bucket's), what a round costs there relative to here once
+    requests that end let the batch move into it (a tree round costs about the same multiple
+    of a plain step in every bucket)."""
+    plain = dataclasses.replace(candidate, tree=None)
+    here = costs.get(bucket, plain)
+    if here is None:
+        return []
+    found = []
+    for smaller in costs.buckets():
+        seconds = costs.get(smaller, plain) if smaller < bucket else None
+        if seconds is not None:
+            found.append((smaller, seconds / here))
+    return found
 
 
 class BatchTablePolicy(Policy):

@@ -140,6 +140,28 @@ def test_estimates_follow_what_requests_accept():
     assert "good" not in book.estimates
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_estimates_expect_what_requests_accept_on_average_whatever_its_spread(seed):
+    """Over many rounds, what a request's estimate expects of the tree it runs averages what
+    it accepts, for accepted lengths as far from geometric as real ones (most rounds stop at
+    the root or run the whole depth) as well as for near-geometric ones."""
+    generator = torch.Generator().manual_seed(seed)
+    depth = DEEP.depth
+    spreads = {
+        "all or nothing": torch.tensor([0.45] + [0.02] * (depth - 1) + [0.43]),
+        "geometric": torch.tensor([0.7**k * 0.3 for k in range(depth)] + [0.7**depth]),
+    }
+    for name, probabilities in spreads.items():
+        book = AcceptanceBook()
+        draws = torch.multinomial(probabilities, 2000, replacement=True, generator=generator)
+        expected = []
+        for num_accepted in draws.tolist():
+            expected.append(book.get(name).expected(DEEP))
+            book.observe(name, DEEP, num_accepted)
+        mean = (probabilities * torch.arange(depth + 1)).sum().item()
+        assert sum(expected[100:]) / len(expected[100:]) == pytest.approx(mean, rel=0.05), name
+
+
 def test_plain_rounds_bring_a_request_back_to_what_it_typically_accepts():
     """After a few rejected rounds in a text it drafts well, a request's estimate recovers
     within about ten plain rounds; one that drafted poorly throughout rises no further than
@@ -205,6 +227,28 @@ def test_with_nobody_waiting_cost_speeds_the_slowest_requests():
     assert CostPolicy().choose(1, LADDER, batch(5, 2), costs) == LADDER[0]
     lone = [AcceptanceEstimate(alpha=0.05, remaining=100)]
     assert CostPolicy().choose(1, LADDER, lone, costs) == PLAIN
+
+
+def test_a_static_batch_runs_a_tree_that_ends_its_fast_requests_into_a_cheaper_bucket():
+    """Three well-drafted requests and one that the deep tree barely fails to pay for in
+    bucket 4: with bucket 4 alone, plain decoding (the slowest request decides); with a
+    bucket 1 whose steps cost half as much, the deep tree, which ends the three well-drafted
+    requests after a few rounds and leaves the slowest one to finish in bucket 1."""
+    slow_alpha = alpha_for(GPU_COSTS[DEEP] - 1.0 - 0.2, DEEP)  # 0.2 tokens short of paying
+    batch = [AcceptanceEstimate(alpha=0.9, remaining=100) for _ in range(3)]
+    batch.append(AcceptanceEstimate(alpha=slow_alpha, remaining=100))
+    one_bucket = RoundCosts()
+    two_buckets = RoundCosts()
+    for variant in LADDER:
+        for _ in range(2):  # the first run is not counted
+            one_bucket.observe(4, variant, GPU_COSTS[variant.tree])
+            two_buckets.observe(4, variant, GPU_COSTS[variant.tree])
+            two_buckets.observe(1, variant, GPU_COSTS[variant.tree] / 2)
+    assert CostPolicy().choose(4, LADDER, batch, one_bucket) == PLAIN
+    assert CostPolicy().choose(4, LADDER, batch, two_buckets) == LADDER[0]
+    # While requests wait, slots refill and the batch never shrinks: the sum decides.
+    waiting = [dataclasses.replace(r, remaining=None) for r in batch]
+    assert CostPolicy().choose(4, LADDER, waiting, two_buckets) == LADDER[0]
 
 
 def test_a_static_batch_of_new_requests_is_judged_by_its_kinds_spread():
