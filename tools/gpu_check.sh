@@ -16,8 +16,9 @@
 #   PART all        all four (more than one call's 10 minutes with empty caches)
 # SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks; SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket).
-# The machine has pytest and hypothesis; packages it lacks (gguf) can be carried unpacked into
-# a folder named by $SPECRUN_SITE. pytest is stopped with SIGINT before the call's limit, so its
+# The machine has pytest and hypothesis; packages it lacks (gguf, which every part imports:
+# tests/conftest.py -> specrun.runtime -> models.default) can be carried unpacked into a folder
+# named by $SPECRUN_SITE. pytest is stopped with SIGINT before the call's limit, so its
 # log still ends with the summary and the stack it was in. (Not faulthandler's timed dumps:
 # on that machine a dump during compilation kills the process with SIGSEGV.)
 set -o pipefail
