@@ -8,10 +8,10 @@ acceptance is a = 1 - (1 - alpha)^w, and the accepted length of a depth-D tree i
 sum_{d=1..D} a^d (levels accepted one after another, as the walk goes). Every speculative
 round moves the accepted length expected of the shape it ran a step (`ALPHA_RATE`) towards
 what the request accepted, and maps that back to alpha (`alpha_for`): the estimate follows
-the accepted length itself. (Averaging per-round level rates mapped through the width instead
-under-predicted by 13-19%: accepted lengths are far from geometric, most rounds stopping at
-the root or running the whole depth, and the mapping is not linear.) Plain rounds say nothing
-about it, so each one
+the accepted length itself. (Averaging per-round level rates mapped through the width is
+biased: accepted lengths are far from geometric, most rounds stopping at the root or running
+the whole depth, and the mapping is not linear; with the shipped head it under-predicted
+established requests by 13-19%.) Plain rounds say nothing about it, so each one
 moves it a small step back towards the running mean of the engine's requests of its kind
 (`STALE_RATE`; greedy and sampling requests keep separate means, as they accept very
 differently): a request that fell back to plain decoding after a few poor rounds is tried
@@ -52,7 +52,7 @@ from .tree import StaticTree, TreeShape
 # The chain acceptance assumed for a request before any of its rounds speculated, while the
 # engine has seen none either.
 PRIOR_ALPHA = 0.6
-# Weight of one round in a request's running alpha.
+# Weight of one speculative round in a request's running accepted length (and so its alpha).
 ALPHA_RATE = 0.3
 # How many rounds a head's measured acceptance counts as in the running mean of its kind.
 MEASURED_ROUNDS = 16
