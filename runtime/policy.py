@@ -283,7 +283,8 @@ class CostPolicy(_ExploringPolicy):
     def _rate(self, bucket, candidate, requests, costs, *, at_prior=False) -> float:
         calibration = self.calibration.get(candidate.tree, 1.0)
         seconds = costs.get(bucket, candidate)
-        shrinking = _shrinking_costs(bucket, candidate, costs)
+        # Only a static batch shrinks into smaller buckets (while requests wait, slots refill).
+        shrinking = _shrinking_costs(bucket, candidate, costs) if _nobody_waits(requests) else []
         return _tokens_per_second(
             candidate, requests, seconds, calibration, at_prior=at_prior, shrinking=shrinking
         )
@@ -392,7 +393,7 @@ def _tokens_per_second(
     gains = [
         1.0 + calibration * r.expected(tree, at_prior=at_prior, as_slowest=True) for r in requests
     ]
-    if not requests or any(r.remaining is None for r in requests):
+    if not _nobody_waits(requests):
         return sum(gains) / seconds
     total = sum(max(r.remaining, 1) for r in requests)
     ends = sorted(max(r.remaining, 1) / g for g, r in zip(gains, requests, strict=True))
@@ -403,6 +404,12 @@ def _tokens_per_second(
         elapsed += (end - done) * scale
         done = end
     return total / (elapsed * seconds)
+
+
+def _nobody_waits(requests: Sequence[AcceptanceEstimate]) -> bool:
+    """Whether the batch is static: every request's `remaining` is known (the scheduler
+    sets it only while no request waits for a slot)."""
+    return bool(requests) and all(r.remaining is not None for r in requests)
 
 
 def _shrinking_costs(
