@@ -3,6 +3,13 @@
 `specrun bench kernels`: rt::tree_attention vs SDPA with the equivalent dense mask vs the memory
 floor, on Llama-3.1-8B attention shapes; one JSON line per point and a summary table.
 
+`specrun bench skinny-mm`: the decode step's matrix products (a few rows times each weight of
+Llama-3.1-8B), rt::skinny_mm against cuBLAS and Inductor, in bytes/s (tools/skinny_mm_bench.py).
+
+`specrun bench gpt-fast`: gpt-fast's own decoding loop (a checkout the caller fetched, never
+vendored) on random weights at batch 1, run beside `bench decode` for the side-by-side
+(tools/gpt_fast_bench.py).
+
 `specrun bench cold-start`: process start to first token in fresh processes, with and without
 ahead-of-time compile artifacts (tools/cold_start.py).
 
@@ -31,7 +38,7 @@ import sys
 
 import torch
 
-from . import cold_start, decode_cli, generate_bench, serve_bench
+from . import cold_start, decode_cli, generate_bench, gpt_fast_bench, serve_bench
 from .bench_env import environment, fmt
 
 
@@ -48,6 +55,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     kernels.add_argument("--json", default=None, help="write one JSON line per point here")
     kernels.set_defaults(func=run_kernels)
+    skinny = subjects.add_parser(
+        "skinny-mm", help="rt::skinny_mm vs cuBLAS vs Inductor on a decode step's products"
+    )
+    skinny.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    skinny.add_argument("--shapes", nargs="+", default=None, help="of qkv o gate_up down lm_head")
+    skinny.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
+    skinny.add_argument("--json", default=None, help="write one JSON line per point here")
+    skinny.set_defaults(func=run_skinny_mm)
     hf = subjects.add_parser("hf", help="transformers generate at batch 1 on a real model")
     hf.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
     hf.add_argument("--prompts", default="builtin:heldout", help="JSONL or builtin:NAME")
@@ -58,6 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hf.add_argument("--json", default=None, help="also write the JSON line here")
     hf.set_defaults(func=run_hf)
     decode_cli.register(subjects)
+    gpt_fast_bench.register(subjects)
     cold_start.register(subjects)
     serve_bench.register(subjects)
     generate_bench.register(subjects)
@@ -110,6 +126,40 @@ def run_kernels(args: argparse.Namespace) -> int:
         if sink:
             sink.close()
     print(HEADER)
+    print("\n".join(rows))
+    return 0
+
+
+def run_skinny_mm(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise ValueError("bench skinny-mm needs a CUDA GPU")
+    from .kernel_bench import copy_bandwidth
+    from .skinny_mm_bench import HEADER as SKINNY_HEADER
+    from .skinny_mm_bench import LLAMA_8B_SHAPES, bench_skinny_mm
+    from .skinny_mm_bench import row as skinny_row
+
+    unknown = set(args.shapes or ()) - set(LLAMA_8B_SHAPES)
+    if unknown:
+        raise ValueError(f"unknown --shapes {sorted(unknown)}; choose from {list(LLAMA_8B_SHAPES)}")
+    env = environment()
+    env["copy_bandwidth_gbps"] = copy_bandwidth() / 1e9
+    print(json.dumps(env))
+    sink = open(args.json, "w") if args.json else None  # noqa: SIM115
+    rows = []
+    try:
+        for name in args.shapes or LLAMA_8B_SHAPES:
+            n, k = LLAMA_8B_SHAPES[name]
+            for num_rows in args.rows:
+                point = {"op": "rt::skinny_mm"} | bench_skinny_mm(
+                    name, n, k, num_rows, sweep=args.sweep
+                )
+                print(json.dumps(point | env), file=sink or sys.stdout, flush=True)
+                rows.append(skinny_row(point))
+                print(rows[-1], file=sys.stderr, flush=True)
+    finally:
+        if sink:
+            sink.close()
+    print(SKINNY_HEADER)
     print("\n".join(rows))
     return 0
 

@@ -96,7 +96,8 @@ class PassManager(CustomGraphPass):
 
 def default_passes() -> list[GraphPass]:
     """specrun's passes, in the order they run."""
+    from .skinny_mm import SkinnyMMReplacement
     from .topk import SmallTopkReplacement
     from .tree_attention import TreeAttentionFusion
 
-    return [TreeAttentionFusion(), SmallTopkReplacement()]
+    return [TreeAttentionFusion(), SmallTopkReplacement(), SkinnyMMReplacement()]

@@ -1,0 +1,143 @@
+"""`specrun bench skinny-mm`: the decode step's matrix products, rt::skinny_mm against cuBLAS and
+Inductor, in bytes per second.
+
+Each point is one weight shape of a model (Llama-3.1-8B's by default: the fused q/k/v, the
+attention output, the fused gate/up, the MLP down projection and the LM head) times a few rows
+of activations, timed as kernel_bench times everything (CUDA-graph replays, rotating over
+enough weight copies to cover the L2 several times). The contenders:
+
+- `cublas`: `x @ w.T` as ATen runs it (cuBLAS; what a compiled step calls for an mm by default);
+- `inductor` (one row only): `F.linear` compiled with coordinate-descent tuning (gpt-fast's
+  setting), under which Inductor rewrites one-row products as an elementwise product and a
+  sum it generates and tunes itself (more rows fall back to cuBLAS: the `cublas` column);
+- `rt`: rt::skinny_mm with the tiling `skinny_mm_config` picks;
+- `rt best` (`--sweep`): the fastest of a grid of tilings, to check and refit that choice.
+
+Bandwidth counts the bytes the product must move (w, x and the output, each once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime.kernels.skinny_mm import skinny_mm
+from .kernel_bench import time_cuda_graph
+
+logger = logging.getLogger(__name__)
+
+LLAMA_8B_SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+_L2_SWEEPS = 4
+
+
+def sweep_configs(*, use_dot: bool) -> list:
+    """The tilings `--sweep` tries: one-row (elementwise) or tensor-core ones."""
+    from ..runtime.kernels.skinny_mm_triton import SkinnyMMConfig
+
+    if use_dot:
+        grid = itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 5))
+    else:
+        grid = itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8), (1, 3))
+    return [
+        SkinnyMMConfig(block_n=n, block_k=k, num_warps=w, num_stages=s, use_dot=use_dot)
+        for n, k, w, s in grid
+    ]
+
+
+def _weight_copies(n: int, k: int, *, dtype: torch.dtype) -> list[torch.Tensor]:
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    num_copies = max(1, math.ceil(_L2_SWEEPS * l2_bytes / (n * k * dtype.itemsize)))
+    return [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(num_copies)]
+
+
+def _time(fn: Callable, xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor]) -> float | None:
+    try:
+        return time_cuda_graph(
+            [lambda x=x, w=w: fn(x, w) for x, w in zip(xs, ws, strict=True)], target_ms=2.0
+        )
+    except Exception as error:  # a tiling that does not compile or launch (shared memory)
+        logger.info("skipped: %s", str(error).splitlines()[0] if str(error) else error)
+        return None
+
+
+def _inductor_linear() -> Callable:
+    torch._dynamo.reset()  # each point's shapes compile afresh, under no recompile limit
+    compiled = torch.compile(F.linear, dynamic=False, fullgraph=True)
+
+    def call(x, w):
+        with torch._inductor.config.patch(coordinate_descent_tuning=True):
+            return compiled(x, w)
+
+    return call
+
+
+def bench_skinny_mm(
+    name: str, n: int, k: int, num_rows: int, *, sweep: bool, dtype: torch.dtype = torch.bfloat16
+) -> dict:
+    """One point: seconds and bytes/s of each contender for x [num_rows, k] @ w [n, k]^T."""
+    from ..runtime.kernels.skinny_mm_triton import launch_skinny_mm, skinny_mm_config
+
+    ws = _weight_copies(n, k, dtype=dtype)
+    xs = [torch.randn(num_rows, k, device="cuda", dtype=dtype) for _ in ws]
+    num_bytes = (n * k + num_rows * (k + n)) * dtype.itemsize
+    want = xs[0].float() @ ws[0].float().T
+    point = {"shape": name, "n": n, "k": k, "rows": num_rows, "bytes": num_bytes}
+    point["config"] = asdict(skinny_mm_config(num_rows, n, k))
+    error = (skinny_mm(xs[0], ws[0]).float() - want).abs().max().item()
+    point["rt_max_abs_error"] = error
+    contenders = {"cublas": lambda x, w: x @ w.T, "rt": skinny_mm}
+    if num_rows == 1:
+        contenders["inductor"] = _inductor_linear()
+    for label, fn in contenders.items():
+        seconds = _time(fn, xs, ws)
+        point[f"{label}_us"] = seconds * 1e6 if seconds else None
+        point[f"{label}_gbps"] = num_bytes / seconds / 1e9 if seconds else None
+    if sweep:
+        best = None
+        for config in sweep_configs(use_dot=num_rows > 1):
+            seconds = _time(lambda x, w, c=config: launch_skinny_mm(x, w, config=c), xs, ws)
+            if seconds is not None and (best is None or seconds < best[0]):
+                best = (seconds, config)
+        if best is not None:
+            point["best_us"] = best[0] * 1e6
+            point["best_gbps"] = num_bytes / best[0] / 1e9
+            point["best_config"] = asdict(best[1])
+    return point
+
+
+def row(point: dict) -> str:
+    """One line of the summary table."""
+
+    def gbps(key: str) -> str:
+        value = point.get(key)
+        return f"{value:8.0f}" if value else "       -"
+
+    best = point.get("best_config")
+    best_text = (
+        ""
+        if best is None
+        else (
+            f" best n{best['block_n']} k{best['block_k']} w{best['num_warps']} "
+            f"s{best['num_stages']}"
+        )
+    )
+    return (
+        f"{point['shape']:>8} {point['n']:>6}x{point['k']:<6} {point['rows']:>3} "
+        f"{gbps('cublas_gbps')} {gbps('inductor_gbps')} {gbps('rt_gbps')} {gbps('best_gbps')}"
+        f"{best_text}"
+    )
+
+
+HEADER = "   shape          n x k    rows  cublas inductor      rt  rt best   (GB/s)"
