@@ -35,9 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterable
 
 import torch
 
+from ..runtime.kernels.skinny_mm import MAX_ROWS
 from . import cold_start, decode_cli, generate_bench, gpt_fast_bench, serve_bench
 from .bench_env import environment, fmt
 
@@ -113,26 +115,39 @@ def run_kernels(args: argparse.Namespace) -> int:
     print(json.dumps(env))
     print("timing: CUDA-graph replay, rotating input sets > L2, median of 10 replays")
     shapes = tree_attention_shapes(batches=args.batch, lengths=args.lengths, trees=args.trees)
-    sink = open(args.json, "w") if args.json else None  # noqa: SIM115
+    points = (
+        {"op": "rt::tree_attention"} | bench_tree_attention(shape, bandwidth=bandwidth)
+        for shape in shapes
+    )
+    _print_points(points, env=env, json_path=args.json, row=_row, header=HEADER)
+    return 0
+
+
+def _print_points(
+    points: Iterable[dict],
+    *,
+    env: dict,
+    json_path: str | None,
+    row: Callable[[dict], str],
+    header: str,
+) -> None:
+    """Each point as a JSON line with `env` (to `json_path`, else stdout) and its table row on
+    stderr as it comes, then the whole table on stdout."""
+    sink = open(json_path, "w") if json_path else None  # noqa: SIM115
     rows = []
     try:
-        for shape in shapes:
-            point = {"op": "rt::tree_attention"} | bench_tree_attention(shape, bandwidth=bandwidth)
-            line = json.dumps(point | env)
-            print(line, file=sink or sys.stdout, flush=True)
-            rows.append(_row(point))
+        for point in points:
+            print(json.dumps(point | env), file=sink or sys.stdout, flush=True)
+            rows.append(row(point))
             print(rows[-1], file=sys.stderr, flush=True)
     finally:
         if sink:
             sink.close()
-    print(HEADER)
+    print(header)
     print("\n".join(rows))
-    return 0
 
 
 def run_skinny_mm(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        raise ValueError("bench skinny-mm needs a CUDA GPU")
     from .kernel_bench import copy_bandwidth
     from .skinny_mm_bench import HEADER as SKINNY_HEADER
     from .skinny_mm_bench import LLAMA_8B_SHAPES, bench_skinny_mm
@@ -141,26 +156,20 @@ def run_skinny_mm(args: argparse.Namespace) -> int:
     unknown = set(args.shapes or ()) - set(LLAMA_8B_SHAPES)
     if unknown:
         raise ValueError(f"unknown --shapes {sorted(unknown)}; choose from {list(LLAMA_8B_SHAPES)}")
+    if not 1 <= min(args.rows) <= max(args.rows) <= MAX_ROWS:
+        raise ValueError(f"--rows must lie in [1, {MAX_ROWS}], got {args.rows}")
+    if not torch.cuda.is_available():
+        raise ValueError("bench skinny-mm needs a CUDA GPU")
     env = environment()
     env["copy_bandwidth_gbps"] = copy_bandwidth() / 1e9
     print(json.dumps(env))
-    sink = open(args.json, "w") if args.json else None  # noqa: SIM115
-    rows = []
-    try:
-        for name in args.shapes or LLAMA_8B_SHAPES:
-            n, k = LLAMA_8B_SHAPES[name]
-            for num_rows in args.rows:
-                point = {"op": "rt::skinny_mm"} | bench_skinny_mm(
-                    name, n, k, num_rows, sweep=args.sweep
-                )
-                print(json.dumps(point | env), file=sink or sys.stdout, flush=True)
-                rows.append(skinny_row(point))
-                print(rows[-1], file=sys.stderr, flush=True)
-    finally:
-        if sink:
-            sink.close()
-    print(SKINNY_HEADER)
-    print("\n".join(rows))
+    points = (
+        {"op": "rt::skinny_mm"}
+        | bench_skinny_mm(name, *LLAMA_8B_SHAPES[name], num_rows, sweep=args.sweep)
+        for name in args.shapes or LLAMA_8B_SHAPES
+        for num_rows in args.rows
+    )
+    _print_points(points, env=env, json_path=args.json, row=skinny_row, header=SKINNY_HEADER)
     return 0
 
 

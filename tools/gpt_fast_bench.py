@@ -48,10 +48,13 @@ def run_gpt_fast(args: argparse.Namespace) -> int:
 
     from .bench_env import environment
 
+    if not (args.path / "generate.py").is_file() or not (args.path / "model.py").is_file():
+        raise ValueError(
+            f"--path {args.path} holds no gpt-fast checkout (generate.py and model.py); clone "
+            "github.com/pytorch-labs/gpt-fast there"
+        )
     if not torch.cuda.is_available():
         raise ValueError("bench gpt-fast needs a CUDA GPU")
-    if not (args.path / "generate.py").is_file() or not (args.path / "model.py").is_file():
-        raise ValueError(f"--path {args.path} holds no gpt-fast checkout (generate.py, model.py)")
     point = environment() | gpt_fast_point(
         args.path,
         model_name=args.model,
