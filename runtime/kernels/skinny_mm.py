@@ -32,6 +32,13 @@ from ._triton import rt_op, uses_triton
 
 MAX_ROWS = 16
 DTYPES = (torch.float16, torch.bfloat16)
+_MAX_OFFSET = 2**31 - 1  # the kernel addresses its operands with 32-bit element offsets
+
+
+def within_offset_range(t: torch.Tensor) -> bool:
+    """Whether every element of the 2-D `t` lies within 32-bit offsets of its first."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return last <= _MAX_OFFSET
 
 
 def check_skinny_mm_inputs(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -51,6 +58,11 @@ def check_skinny_mm_inputs(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(
             f"rt::skinny_mm: x [M, K] and w [N, K] need one K > 0 and N > 0, got "
             f"{tuple(x.shape)} and {tuple(w.shape)}"
+        )
+    if not (within_offset_range(x) and within_offset_range(w)):
+        raise ValueError(
+            f"rt::skinny_mm takes operands of fewer than 2**31 elements (by their strides), got "
+            f"w {tuple(w.shape)} with strides {w.stride()}; use torch.mm for larger ones"
         )
 
 

@@ -13,7 +13,8 @@ runtime/kernels/skinny_mm.py says what the Triton op gains there. This pass swap
 where the op takes the call and pays: float16 / bfloat16 operands on a device type the pass
 was built for (CUDA by default; the op's CPU kernel is its float32 reference, slower than
 ATen's mm there), a static M of at most `MAX_ROWS`, and the second operand's columns
-contiguous in memory (a Linear's weight, transposed), so the kernel streams w row by row.
+contiguous in memory (a Linear's weight, transposed), so the kernel streams w row by row,
+with fewer than 2**31 elements (the kernel's offsets are 32-bit).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class SkinnyMMReplacement(GraphPass):
         num_rows = x.shape[0]
         if not isinstance(num_rows, int) or not 1 <= num_rows <= skinny_kernel.MAX_ROWS:
             return False
-        return w_t.stride()[0] == 1
+        return w_t.stride()[0] == 1 and skinny_kernel.within_offset_range(w_t)
 
 
 def _replace(graph: fx.Graph, node: fx.Node) -> None:

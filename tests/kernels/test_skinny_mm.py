@@ -70,6 +70,14 @@ def test_bad_arguments_are_refused(x, w, message):
         skinny_mm(x, w)
 
 
+def test_operands_past_32_bit_offsets_are_refused():
+    x = torch.zeros(1, 4, dtype=torch.bfloat16, device="meta")
+    w = torch.zeros(2**29 + 1, 4, dtype=torch.bfloat16, device="meta")
+    skinny_mm(x, w[: 2**29])  # the last element at offset 2**31 - 1: taken
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        skinny_mm(x, w)
+
+
 def test_opcheck():
     x, w = make_operands(3, 20, 50, dtype=torch.bfloat16, seed=0)
     torch.library.opcheck(torch.ops.rt.skinny_mm.default, (x, w))
