@@ -14,8 +14,11 @@
 #   PART tp         tests/runtime/test_gpu_tensor_parallel.py alone (two GPUs: TP=2 decodes
 #                   what one GPU decodes; skipped in `runtime` on a one-GPU machine)
 #   PART all        all four (more than one call's 10 minutes with empty caches)
-# SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks; SPECRUN_BENCH_DECODE="1 2" the decode benchmark
-# for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket).
+# SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks
+# (tree attention, then the skinny products); SPECRUN_BENCH_DECODE="1 2" the decode benchmark
+# for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket);
+# SPECRUN_BENCH_GPT_FAST=DIR (a gpt-fast checkout) the batch-1 plain step at 128 tokens of
+# context, then gpt-fast's own loop on the same shapes (about 3 minutes together).
 # The machine has pytest and hypothesis; packages it lacks (gguf, which every part imports:
 # tests/conftest.py -> specrun.runtime -> models.default) can be carried unpacked into a folder
 # named by $SPECRUN_SITE. pytest is stopped with SIGINT before the call's limit, so its
@@ -48,6 +51,17 @@ grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|s (call|setup) " "$log"
 if [ -n "${SPECRUN_BENCH:-}" ]; then
     timeout 300 python3 -m specrun.tools.cli bench kernels --json "$OUT/bench_kernels.jsonl" \
         2> "$OUT/bench_kernels.err" | tee "$OUT/bench_kernels.log" | grep -v '^{'
+fi
+if [ -n "${SPECRUN_BENCH:-}" ]; then
+    timeout 200 python3 -m specrun.tools.cli bench skinny-mm --json "$OUT/bench_skinny_mm.jsonl" \
+        2> "$OUT/bench_skinny_mm.err" | tee "$OUT/bench_skinny_mm.log" | grep -v '^{'
+fi
+if [ -n "${SPECRUN_BENCH_GPT_FAST:-}" ]; then
+    timeout 150 python3 -m specrun.tools.cli bench decode --buckets 1 --modes plain --context 128 \
+        --rounds 50 --json "$OUT/bench_plain_b1.jsonl" 2> "$OUT/bench_plain_b1.err" \
+        | tee "$OUT/bench_plain_b1.log" | grep -v '^{'
+    timeout 300 python3 -m specrun.tools.cli bench gpt-fast --path "$SPECRUN_BENCH_GPT_FAST" --runs 3 \
+        --json "$OUT/bench_gpt_fast.json" 2> "$OUT/bench_gpt_fast.err" | tee "$OUT/bench_gpt_fast.log"
 fi
 if [ -n "${SPECRUN_BENCH_DECODE:-}" ]; then
     # shellcheck disable=SC2086

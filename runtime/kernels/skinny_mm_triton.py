@@ -121,8 +121,8 @@ def launch_skinny_mm(
 def skinny_mm_config(num_rows: int, n: int, k: int) -> SkinnyMMConfig:
     """The tiling for x [num_rows, k] @ w [n, k]^T, fitted to `specrun bench skinny-mm --sweep`
     on an H100 (BENCHMARKS.md) with Llama-3.1-8B's weights: one row takes 8 rows of w per
-    program, 512 columns a step, elementwise; more rows take tensor-core tiles of 256 columns,
-    64 rows of w where that still leaves a program for about every multiprocessor (16 below).
+    program, 512 columns a step, elementwise; more rows take tensor-core tiles of 256 columns
+    and 64 rows of w where N >= 6144 (16 below: N = 4096 then still has 256 programs).
     Every tiling reached 94% or more of the best of its sweep there."""
     if num_rows == 1:
         return SkinnyMMConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
