@@ -3,9 +3,20 @@ each round's measured cost.
 
 Acceptance model. A request's draft is summarised by its chain acceptance alpha: the chance
 that a level of a one-wide chain is accepted, given the levels above it were. A tree level
-offers about w = min(K, (N - 1) / D) candidates, and is accepted when one of them is, so its
-acceptance is a = 1 - (1 - alpha)^w, and the accepted length of a depth-D tree is
-sum_{d=1..D} a^d (levels accepted one after another, as the walk goes). Every speculative
+offers about w = min(K, (N - 1) / D) candidates, and is accepted when one of them is. Were
+they independent tries, its acceptance would be 1 - (1 - alpha)^w; but the draft ranks its
+candidates, and the target's token is mostly its first or none near the top, so each one
+past the first adds far less. The model counts the level as w^WIDTH_EXPONENT independent
+tries, a = 1 - (1 - alpha)^(w^WIDTH_EXPONENT), and the accepted length of a depth-D tree is
+sum_{d=1..D} a^d (levels accepted one after another, as the walk goes). WIDTH_EXPONENT (and
+SAMPLED_WIDTH_EXPONENT for the candidates a stochastic tree samples) were fitted to what the
+same requests accepted under four shapes (BENCHMARKS.md, "One request's acceptance carried
+across tree shapes"): with independent tries (exponent 1) a request's acceptance measured
+under (6, 8, 40) predicted 31% too little under (4, 6, 16) and 50% too little under (2, 3, 5).
+Every blend of estimates that is not a round's observation (the drifts below, a request's
+typical value, the running means of its kind) is taken in the accepted length of a one-wide
+chain of CHAIN_DEPTH levels (`chain_length`), a scale the width term does not touch, so that
+how far an estimate moves does not depend on how widths are counted. Every speculative
 round moves the accepted length expected of the shape it ran a step (`ALPHA_RATE`) towards
 what the request accepted, and maps that back to alpha (`alpha_for`): the estimate follows
 the accepted length itself. (Averaging per-round level rates mapped through the width is
@@ -45,7 +56,7 @@ import functools
 import math
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .tree import StaticTree, TreeShape
 
@@ -71,6 +82,12 @@ COST_RATE = 0.2
 # finished requests a kind keeps, and how many it needs before its spread is used.
 SPREAD_ROUNDS = 4
 SPREAD_KEPT, SPREAD_MIN = 256, 8
+# The chain whose accepted length the estimator's blends are taken in (module docstring).
+CHAIN_DEPTH = 8
+# The power of a level's width that counts as independent tries (module docstring): for the
+# top-k candidates of a greedy round, and for the candidates a stochastic tree samples.
+WIDTH_EXPONENT = 0.25
+SAMPLED_WIDTH_EXPONENT = 0.15
 
 
 @functools.cache
@@ -82,12 +99,19 @@ def level_width(tree: TreeShape | StaticTree) -> float:
     return max(1.0, per_level)
 
 
+@functools.cache
+def effective_width(tree: TreeShape | StaticTree) -> float:
+    """How many independent tries a level of the tree counts as (module docstring)."""
+    sampled = getattr(tree, "stochastic", False)
+    return level_width(tree) ** (SAMPLED_WIDTH_EXPONENT if sampled else WIDTH_EXPONENT)
+
+
 def expected_accepted(alpha: float, tree: TreeShape | StaticTree | None) -> float:
     """Expected accepted draft tokens per round of a request with chain acceptance `alpha`
     (module docstring); 0 for plain decoding."""
     if tree is None:
         return 0.0
-    level = 1.0 - (1.0 - alpha) ** level_width(tree)
+    level = 1.0 - (1.0 - alpha) ** effective_width(tree)
     if level >= 1.0:
         return float(tree.depth)
     return level * (1.0 - level**tree.depth) / (1.0 - level)
@@ -96,7 +120,7 @@ def expected_accepted(alpha: float, tree: TreeShape | StaticTree | None) -> floa
 def alpha_for(accepted: float, tree: TreeShape | StaticTree) -> float:
     """The chain acceptance whose expected accepted drafts per round of `tree` is `accepted`
     (clamped to what the tree can accept)."""
-    return chain_acceptance(_level_for(accepted, tree.depth), level_width(tree))
+    return chain_acceptance(_level_for(accepted, tree.depth), effective_width(tree))
 
 
 def _level_for(accepted: float, depth: int) -> float:
@@ -120,9 +144,25 @@ def _level_for(accepted: float, depth: int) -> float:
 
 
 def chain_acceptance(level: float, width: float) -> float:
-    """Inverse of the level acceptance: the alpha that gives a level of `width` candidates
-    acceptance `level`."""
+    """Inverse of the level acceptance: the alpha that gives a level of `width` independent
+    tries acceptance `level`."""
     return 1.0 - (1.0 - level) ** (1.0 / width)
+
+
+def chain_length(alpha: float) -> float:
+    """Expected accepted drafts of a one-wide chain of CHAIN_DEPTH levels: the scale the
+    estimator blends in (module docstring)."""
+    return sum(alpha**d for d in range(1, CHAIN_DEPTH + 1))
+
+
+def alpha_of_chain(length: float) -> float:
+    """Inverse of `chain_length`."""
+    return _level_for(length, CHAIN_DEPTH)
+
+
+def _blend_alpha(old: float, new: float, rate: float) -> float:
+    """`old` moved `rate` of the way to `new`, in chain-length space."""
+    return alpha_of_chain(_blend(chain_length(old), chain_length(new), rate))
 
 
 @dataclass(frozen=True)
@@ -146,9 +186,13 @@ class MeasuredAcceptance:
 
     def priors(self) -> dict[bool, float]:
         """The chain acceptance alpha by kind of request (True: greedy) that reproduces what
-        was measured."""
+        was measured with the tree's form that kind runs."""
         measured = {True: self.greedy, False: self.sampling}
-        return {kind: alpha_for(v - 1.0, self.tree) for kind, v in measured.items() if v}
+        return {
+            kind: alpha_for(v - 1.0, replace(self.tree, stochastic=not kind))
+            for kind, v in measured.items()
+            if v
+        }
 
 
 @dataclass
@@ -173,8 +217,9 @@ class AcceptanceEstimate:
     slowest: while no request waits, the alpha of the slowest of the batch's requests as its
         kind's finished requests spread (AcceptanceBook.slowest_of); None while some wait or
         the kind has not finished enough requests.
-    typical_alpha: the mean of alpha over the request's speculative rounds (what it accepts
-        over its whole text, for its kind's spread).
+    typical_length: the mean of chain_length(alpha) over the request's speculative rounds
+        (what it accepts over its whole text; `typical_alpha` in alpha, for its kind's
+        spread).
     """
 
     alpha: float = PRIOR_ALPHA
@@ -193,7 +238,7 @@ class AcceptanceEstimate:
     mean_accepted: float = 0.0
     remaining: int | None = None
     slowest: float | None = None
-    typical_alpha: float = 0.0
+    typical_length: float = 0.0
 
     def observe(
         self,
@@ -218,7 +263,14 @@ class AcceptanceEstimate:
         self.divergence_square = _blend(self.divergence_square, divergence**2, rate)
         expected = expected_accepted(self.alpha, tree)
         self.alpha = alpha_for(_blend(expected, num_accepted, ALPHA_RATE), tree)
-        self.typical_alpha += (self.alpha - self.typical_alpha) / self.num_speculative_rounds
+        self.typical_length += (
+            chain_length(self.alpha) - self.typical_length
+        ) / self.num_speculative_rounds
+
+    @property
+    def typical_alpha(self) -> float:
+        """The alpha of the request's typical accepted length (`typical_length`)."""
+        return alpha_of_chain(self.typical_length)
 
     @property
     def divergence_std(self) -> float:
@@ -296,14 +348,15 @@ class AcceptanceBook:
         estimate.observe(tree, num_accepted, signals)
         prior = self.prior(estimate.kind)
         if tree is None:
-            estimate.alpha = _blend(estimate.alpha, prior, STALE_RATE)
+            length = _blend(chain_length(estimate.alpha), chain_length(prior), STALE_RATE)
             if estimate.num_speculative_rounds >= SPREAD_ROUNDS:
-                estimate.alpha = _blend(estimate.alpha, estimate.typical_alpha, RECOVERY_RATE)
+                length = _blend(length, estimate.typical_length, RECOVERY_RATE)
+            estimate.alpha = alpha_of_chain(length)
         else:
             seen = self.num_observed.get(estimate.kind, 0)
             self.num_observed[estimate.kind] = seen + 1
             rate = max(PRIOR_RATE, 1.0 / (seen + 2))
-            self.priors[estimate.kind] = _blend(prior, estimate.alpha, rate)
+            self.priors[estimate.kind] = _blend_alpha(prior, estimate.alpha, rate)
 
     def forget(self, request: Hashable) -> None:
         """Drop a finished request's estimate; one that ran SPREAD_ROUNDS speculative rounds
