@@ -32,7 +32,7 @@ good). The step is small because the exploring rounds (runtime/policy.py) measur
 request again anyway, and a faster drift made a static batch retry trees on its slowest
 request every few rounds. A request that has run SPREAD_ROUNDS speculative rounds also
 moves a larger step (`RECOVERY_RATE`) towards its own typical alpha, the mean of its
-estimates over those rounds: two or three rejected rounds in a text it drafts well are a
+estimates over those rounds (in chain length): two or three rejected rounds in a text it drafts well are a
 dip, and with a strong head they otherwise kept it plain for dozens of rounds it would have
 gained in; a request that drafts poorly throughout has a low typical alpha and stays plain.
 Once a plain round has left a request's draft behind for good (`in_step` False: see
