@@ -32,14 +32,14 @@ good). The step is small because the exploring rounds (runtime/policy.py) measur
 request again anyway, and a faster drift made a static batch retry trees on its slowest
 request every few rounds. A request that has run SPREAD_ROUNDS speculative rounds also
 moves a larger step (`RECOVERY_RATE`) towards its own typical alpha, the mean of its
-estimates over those rounds (in chain length): two or three rejected rounds in a text it drafts well are a
-dip, and with a strong head they otherwise kept it plain for dozens of rounds it would have
-gained in; a request that drafts poorly throughout has a low typical alpha and stays plain.
-Once a plain round has left a request's draft behind for good (`in_step` False: see
-RoundPlanner.plan) no tree is expected to accept anything for it. A speculative round also
-reports, at the root, the draft's confidence and the KL divergence of its distribution from
-the target's (round.acceptance_signals); each request keeps their moving averages and the
-KL's variance (DSDE's stability signal).
+estimates over those rounds (in chain length): two or three rejected rounds in a text it
+drafts well are a dip, and with a strong head they otherwise kept it plain for dozens of
+rounds it would have gained in; a request that drafts poorly throughout has a low typical
+alpha and stays plain. Once a plain round has left a request's draft behind for good
+(`in_step` False: see RoundPlanner.plan) no tree is expected to accept anything for it. A
+speculative round also reports, at the root, the draft's confidence and the KL divergence
+of its distribution from the target's (round.acceptance_signals); each request keeps their
+moving averages and the KL's variance (DSDE's stability signal).
 
 A draft head may ship what it accepted when it was measured (`MeasuredAcceptance`, the
 `accepted` entry of its trees.json): the engine's running means then start from it, weighted
@@ -52,6 +52,7 @@ host has read (GPU time on CUDA), seeded from a measured profile when there is o
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections import deque
@@ -126,21 +127,35 @@ def alpha_for(accepted: float, tree: TreeShape | StaticTree) -> float:
 def _level_for(accepted: float, depth: int) -> float:
     """The level acceptance a in [0, 1] with sum_{d=1..depth} a^d = `accepted` (clamped to
     [0, depth]), by Newton's method on that increasing, convex polynomial: started above the
-    root (at 1), every step stays above it, so a handful of steps converge."""
+    root (at the first level of a fixed grid whose sum exceeds `accepted`), every step stays
+    above it, so two or three steps converge. It runs for every request after every round."""
     if accepted <= 0.0:
         return 0.0
     if accepted >= depth:
         return 1.0
-    level = 1.0
+    level = bisect.bisect_right(_grid_sums(depth), accepted) / _GRID_STEPS
     for _ in range(64):
-        powers = [level**d for d in range(depth + 1)]
-        value = sum(powers[1:]) - accepted
-        slope = sum(d * powers[d - 1] for d in range(1, depth + 1))
-        step = value / slope
+        # Horner: q = sum_{d<depth} a^d and its derivative; the sum is a * q.
+        q, dq = 0.0, 0.0
+        for _ in range(depth):
+            dq = dq * level + q
+            q = q * level + 1.0
+        step = (level * q - accepted) / (q + level * dq)
         level -= step
         if step < 1e-12:
             break
     return min(max(level, 0.0), 1.0)
+
+
+_GRID_STEPS = 256
+
+
+@functools.cache
+def _grid_sums(depth: int) -> tuple[float, ...]:
+    """sum_{d=1..depth} a^d at a = i / _GRID_STEPS, i = 0.._GRID_STEPS (increasing)."""
+    return tuple(
+        sum((i / _GRID_STEPS) ** d for d in range(1, depth + 1)) for i in range(_GRID_STEPS + 1)
+    )
 
 
 def chain_acceptance(level: float, width: float) -> float:
