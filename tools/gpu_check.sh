@@ -51,8 +51,6 @@ grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|s (call|setup) " "$log"
 if [ -n "${SPECRUN_BENCH:-}" ]; then
     timeout 300 python3 -m specrun.tools.cli bench kernels --json "$OUT/bench_kernels.jsonl" \
         2> "$OUT/bench_kernels.err" | tee "$OUT/bench_kernels.log" | grep -v '^{'
-fi
-if [ -n "${SPECRUN_BENCH:-}" ]; then
     timeout 200 python3 -m specrun.tools.cli bench skinny-mm --json "$OUT/bench_skinny_mm.jsonl" \
         2> "$OUT/bench_skinny_mm.err" | tee "$OUT/bench_skinny_mm.log" | grep -v '^{'
 fi

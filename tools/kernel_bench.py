@@ -153,9 +153,11 @@ def dense_sdpa_inputs(inputs: dict, *, expand_kv: bool) -> dict:
             "enable_gqa": gqa}  # fmt: skip
 
 
-def _num_input_sets(shape: TreeAttentionShape) -> int:
+def num_input_sets(num_bytes: int) -> int:
+    """How many independent input sets of `num_bytes` each the timing rotates over, so that
+    together they cover the L2 `_L2_SWEEPS` times (at most `_MAX_INPUT_SETS`)."""
     l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    wanted = math.ceil(_L2_SWEEPS * l2_bytes / max(1, shape.floor_bytes()))
+    wanted = math.ceil(_L2_SWEEPS * l2_bytes / max(1, num_bytes))
     return max(1, min(_MAX_INPUT_SETS, wanted))
 
 
@@ -190,13 +192,14 @@ def bench_tree_attention(shape: TreeAttentionShape, *, bandwidth: float) -> dict
     with K/V pre-expanded to the query heads (so a mask-capable fused backend can run), on one
     shape. Returns a JSON-ready dict; times in microseconds, None where out of memory."""
     free, _ = torch.cuda.mem_get_info()
-    need = shape.floor_bytes() * _num_input_sets(shape)
+    num_sets = num_input_sets(shape.floor_bytes())
+    need = shape.floor_bytes() * num_sets
     point = {k: str(v) if k == "dtype" else v for k, v in asdict(shape).items()}
     point |= {"num_queries": shape.num_tree, "floor_bytes": shape.floor_bytes()}
     point["floor_us"] = shape.floor_bytes() / bandwidth * 1e6
     if need > 0.45 * free:
         return point | {"skipped": f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"}
-    input_sets = [tree_attention_inputs(shape, seed=i) for i in range(_num_input_sets(shape))]
+    input_sets = [tree_attention_inputs(shape, seed=i) for i in range(num_sets)]
     seconds = _time_or_none([lambda x=x: tree_attention(**x) for x in input_sets])
     out = tree_attention(**input_sets[0])
     point["kernel_us"] = seconds * 1e6 if seconds is not None else None

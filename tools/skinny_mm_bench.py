@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.kernels.skinny_mm import skinny_mm
-from .kernel_bench import time_cuda_graph
+from .kernel_bench import num_input_sets, time_cuda_graph
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +38,6 @@ LLAMA_8B_SHAPES = {
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
-_L2_SWEEPS = 4
 
 
 def sweep_configs(*, use_dot: bool) -> list:
@@ -57,8 +55,7 @@ def sweep_configs(*, use_dot: bool) -> list:
 
 
 def _weight_copies(n: int, k: int, *, dtype: torch.dtype) -> list[torch.Tensor]:
-    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    num_copies = max(1, math.ceil(_L2_SWEEPS * l2_bytes / (n * k * dtype.itemsize)))
+    num_copies = num_input_sets(n * k * dtype.itemsize)
     return [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(num_copies)]
 
 
