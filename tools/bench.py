@@ -25,6 +25,9 @@ at Poisson arrival rates or fixed concurrencies (tools/serve_bench.py).
 
 `specrun bench generate`: `specrun generate` per speculation policy and without a draft, on
 the first built-in held-out prompts (tools/generate_bench.py; any device).
+`specrun bench train-draft`: what `specrun train-draft` costs for a known model's shapes with
+random weights: answering prompts (response tokens/s with the compiled plain decoder) and
+training steps of a head (steps/s, peak memory) (tools/train_bench.py; any device).
 `specrun bench hf`: Hugging Face transformers `generate` on a real model at batch 1 (GPU or
 CPU, bfloat16 or float32), the comparison point for `specrun eval`'s and `specrun bench
 generate`'s numbers on the same prompts.
@@ -40,7 +43,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..runtime.kernels.skinny_mm import MAX_ROWS
-from . import cold_start, decode_cli, generate_bench, gpt_fast_bench, serve_bench
+from . import cold_start, decode_cli, generate_bench, gpt_fast_bench, serve_bench, train_bench
 from .bench_env import environment, fmt
 
 
@@ -79,6 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cold_start.register(subjects)
     serve_bench.register(subjects)
     generate_bench.register(subjects)
+    train_bench.register(subjects)
 
 
 def _row(point: dict) -> str:

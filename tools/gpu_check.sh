@@ -18,7 +18,8 @@
 # (tree attention, then the skinny products); SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket);
 # SPECRUN_BENCH_GPT_FAST=DIR (a gpt-fast checkout) the batch-1 plain step at 128 tokens of
-# context, then gpt-fast's own loop on the same shapes (about 3 minutes together).
+# context, then gpt-fast's own loop on the same shapes (about 3 minutes together);
+# SPECRUN_BENCH_TRAIN=1 `bench train-draft` with Llama-3.1-8B shapes (train-draft's rates).
 # The machine has pytest and hypothesis; packages it lacks (gguf, which every part imports:
 # tests/conftest.py -> specrun.runtime -> models.default) can be carried unpacked into a folder
 # named by $SPECRUN_SITE. pytest is stopped with SIGINT before the call's limit, so its
@@ -60,6 +61,11 @@ if [ -n "${SPECRUN_BENCH_GPT_FAST:-}" ]; then
         | tee "$OUT/bench_plain_b1.log" | grep -v '^{'
     timeout 300 python3 -m specrun.tools.cli bench gpt-fast --path "$SPECRUN_BENCH_GPT_FAST" --runs 3 \
         --json "$OUT/bench_gpt_fast.json" 2> "$OUT/bench_gpt_fast.err" | tee "$OUT/bench_gpt_fast.log"
+fi
+if [ -n "${SPECRUN_BENCH_TRAIN:-}" ]; then
+    timeout 500 python3 -m specrun.tools.cli bench train-draft --shapes llama-3.1-8b \
+        --json "$OUT/bench_train_draft.json" 2> "$OUT/bench_train_draft.err" \
+        | tee "$OUT/bench_train_draft.log" | grep -v '^{'
 fi
 if [ -n "${SPECRUN_BENCH_DECODE:-}" ]; then
     # shellcheck disable=SC2086

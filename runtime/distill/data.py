@@ -22,7 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,13 +139,15 @@ def generate_sequences(
     batch_size: int = 16,
     eos_token_ids: Sequence[int] = (),
     desc: str = "answering prompts",
+    on_chunk: Callable[[Sequence[TrainingSequence]], None] | None = None,
 ) -> list[TrainingSequence]:
     """The target's own responses to `prompts`, joined to their prompts.
 
     Decoded plainly `batch_size` prompts at a time by one Decoder with that single bucket
     (the last, smaller chunk is padded), so a GPU compiles and captures one graph. Prompt i
     samples at `temperature` (one for all, or one per prompt) with seed `seed + i`, whatever
-    the batch size. A progress bar labelled `desc` counts the prompts answered.
+    the batch size. A progress bar labelled `desc` counts the prompts answered, and
+    `on_chunk`, if given, is called with each chunk's sequences once they are decoded.
     """
     temperatures = _per_prompt(temperature, len(prompts))
     longest = max((len(p) for p in prompts), default=1)
@@ -173,6 +175,8 @@ def generate_sequences(
             for prompt, response in zip(chunk, responses, strict=True):
                 sequences.append(TrainingSequence((*prompt, *response), len(prompt)))
             bar.update(len(chunk))
+            if on_chunk is not None:
+                on_chunk(sequences[-len(chunk) :])
     finally:
         bar.close()
         decoder.close()

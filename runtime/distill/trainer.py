@@ -381,7 +381,7 @@ def train_draft(
         head = build_head(target, config, train_set)
     else:
         head = initial_head(target, config, init_from, train_set)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+    optimizer = new_optimizer(head, config)
     start = load_checkpoint(out_dir, head, optimizer) if resume else 0
     if not resume:
         save_sequences(sequences, checkpoint_sequences_path(out_dir))
@@ -391,7 +391,7 @@ def train_draft(
     head.train()
     started = time.monotonic()
     for step in bar:
-        loss = _train_step(head, target, optimizer, train_set, step, config=config)
+        loss = train_step(head, target, optimizer, train_set, step, config=config)
         result.losses.append(loss)
         postfix = {"loss": f"{loss:.4f}"}
         if heldout and ((step + 1) % config.eval_interval == 0 or step + 1 == config.num_steps):
@@ -420,7 +420,22 @@ def _evaluate(head, target, heldout, step: int, result: TrainResult, *, config) 
     return {"acc": f"{agreement[0]:.3f}", "len": f"{length:.2f}"}
 
 
-def _train_step(head, target, optimizer, train_set, step: int, *, config: TrainConfig) -> float:
+def new_optimizer(head: DraftHead, config: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer of the head's parameters (its learning rate is set every step)."""
+    return torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+
+
+def train_step(
+    head: DraftHead,
+    target: Llama,
+    optimizer: torch.optim.Optimizer,
+    train_set: Sequence[TrainingSequence],
+    step: int,
+    *,
+    config: TrainConfig,
+) -> float:
+    """One optimizer step of `head` on the batch that (config.seed, step) draws from
+    `train_set`, the target frozen; returns the loss (a host sync)."""
     device = target.lm_head.weight.device
     batch = sample_batch(
         train_set,
