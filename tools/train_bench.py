@@ -66,14 +66,13 @@ def run_train_bench(args: argparse.Namespace) -> int:
     )
     engine_config = EngineConfig(device=args.device)
     device = str(engine_config.resolved_device())
+    draft_vocab = args.draft_vocab or shapes.draft_vocab_size
     train_config = TrainConfig(
         kind=args.kind,
         num_steps=args.warmup_steps + args.steps,
         batch_size=args.batch_size,
         num_ttt_steps=args.ttt_steps,
-        draft_vocab_size=(args.draft_vocab or shapes.draft_vocab_size)
-        if args.kind == "eagle3"
-        else None,
+        draft_vocab_size=draft_vocab if args.kind == "eagle3" else None,
         max_length=args.max_length,
         num_heldout=0,
     )
