@@ -199,11 +199,17 @@ def _time_training(
     head = build_head(target, config, sequences)
     optimizer = new_optimizer(head, config)
     head.train()
-    for step in range(num_warmup_steps):
-        train_step(head, target, optimizer, sequences, step, config=config)
-    started = time.perf_counter()
-    for step in range(num_warmup_steps, config.num_steps):
-        train_step(head, target, optimizer, sequences, step, config=config)
+    try:
+        for step in range(num_warmup_steps):
+            train_step(head, target, optimizer, sequences, step, config=config)
+        started = time.perf_counter()
+        for step in range(num_warmup_steps, config.num_steps):
+            train_step(head, target, optimizer, sequences, step, config=config)
+    except torch.OutOfMemoryError as error:
+        raise ValueError(
+            f"training batches of {config.batch_size} x {config.max_length} tokens do not fit "
+            f"this device beside the target; lower --batch-size or --max-length ({error})"
+        ) from error
     seconds = time.perf_counter() - started
     return {
         "num_sequences": len(sequences),

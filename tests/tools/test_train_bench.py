@@ -54,3 +54,23 @@ def test_answering_and_training_rates_of_a_tiny_target(kind):
 def test_bad_counts_are_refused_before_any_model_is_built(argv, message, capsys):
     assert main(["bench", "train-draft", "--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_training_that_runs_out_of_memory_says_what_to_lower(monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr("specrun.tools.train_bench.train_step", out_of_memory)
+    config = TrainConfig(num_steps=2, batch_size=2, draft_vocab_size=40, max_length=16)
+    with pytest.raises(ValueError, match="lower --batch-size or --max-length"):
+        train_bench_point(
+            tiny_config(num_layers=4),
+            config,
+            device="cpu",
+            dtype=torch.float32,
+            num_prompts=4,
+            prompt_length=5,
+            max_new_tokens=2,
+            generate_batch_size=2,
+            num_warmup_steps=1,
+        )
