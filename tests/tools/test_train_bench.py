@@ -21,17 +21,7 @@ def test_answering_and_training_rates_of_a_tiny_target(kind):
         max_length=16,
         num_heldout=0,
     )
-    point = train_bench_point(
-        tiny_config(num_layers=4),
-        config,
-        device="cpu",
-        dtype=torch.float32,
-        num_prompts=6,
-        prompt_length=5,
-        max_new_tokens=4,
-        generate_batch_size=2,
-        num_warmup_steps=1,
-    )
+    point = _tiny_point(config, num_prompts=6, max_new_tokens=4)
     assert point["num_prompts"] == point["num_sequences"] == 6
     assert point["train_steps"] == 2 and point["train_steps_per_s"] > 0
     assert point["answer_tokens_per_s"] > 0
@@ -63,14 +53,18 @@ def test_training_that_runs_out_of_memory_says_what_to_lower(monkeypatch):
     monkeypatch.setattr("specrun.tools.train_bench.train_step", out_of_memory)
     config = TrainConfig(num_steps=2, batch_size=2, draft_vocab_size=40, max_length=16)
     with pytest.raises(ValueError, match="lower --batch-size or --max-length"):
-        train_bench_point(
-            tiny_config(num_layers=4),
-            config,
-            device="cpu",
-            dtype=torch.float32,
-            num_prompts=4,
-            prompt_length=5,
-            max_new_tokens=2,
-            generate_batch_size=2,
-            num_warmup_steps=1,
-        )
+        _tiny_point(config, num_prompts=4, max_new_tokens=2)
+
+
+def _tiny_point(config: TrainConfig, *, num_prompts: int, max_new_tokens: int) -> dict:
+    return train_bench_point(
+        tiny_config(num_layers=4),
+        config,
+        device="cpu",
+        dtype=torch.float32,
+        num_prompts=num_prompts,
+        prompt_length=5,
+        max_new_tokens=max_new_tokens,
+        generate_batch_size=2,
+        num_warmup_steps=1,
+    )
