@@ -164,7 +164,12 @@ def run(args: argparse.Namespace) -> int:
                 policy=policy,
             )
             by_category = category_fields(filled(categories, batch_size), per_request)
-            records.append({**record, "batch_size": batch_size, **by_category})
+            # Each request's (rounds, accepted drafts), in the order of filled(prompts, ...):
+            # what a live run and a replay of it (--cost-profile) compare request by request.
+            requests = [[r.num_rounds, r.num_accepted] for r in per_request]
+            records.append(
+                {**record, "batch_size": batch_size, **by_category, "requests": requests}
+            )
         spec.close()
     lines = [json.dumps(record) for record in records]
     for line in lines:
@@ -290,10 +295,12 @@ def point_record(
     policy: str = "fixed",
 ) -> dict:
     """One JSON line: the batch size's tree (with an adaptive policy: the top of its ladder)
-    at a temperature against plain decoding, with the rounds each shape ran."""
+    at a temperature against plain decoding, with the rounds each shape ran, in all and per
+    bucket ("bucket:round", what `cost_profile.charged_seconds` charges)."""
     record = {
         "policy": policy,
         "rounds_by_shape": spec_stats.rounds_by_shape,
+        "rounds_by_bucket": spec_stats.rounds_by_bucket,
         "temperature": temperature,
         "num_prompts": num_prompts,
         "depth": shape.depth,

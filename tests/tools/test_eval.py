@@ -84,6 +84,15 @@ def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, ca
         assert record["round_ms"] == pytest.approx(
             1e3 * record["round_seconds"] / record["num_rounds"]
         )
+        # Per bucket (one bucket here) and per request, the same rounds as in all.
+        assert sum(record["rounds_by_bucket"].values()) == record["num_rounds"]
+        assert {key.split(":", 1)[1] for key in record["rounds_by_bucket"]} == set(
+            record["rounds_by_shape"]
+        )
+        assert len(record["requests"]) == 3
+        assert sum(rounds for rounds, _ in record["requests"]) == record["num_rounds"]
+        accepted = sum(a * n for a, n in enumerate(record["accepted_histogram"]))
+        assert sum(drafts for _, drafts in record["requests"]) == accepted
     out = capsys.readouterr().out
     assert "accept len" in out and out.count('"temperature"') == 2
 
