@@ -232,17 +232,21 @@ class CostPolicy(_ExploringPolicy):
         unmeasured = [c for c in candidates if costs.get(bucket, c) is None]
         if unmeasured:
             return self._launched(self._ran(bucket, unmeasured[0]), requests)
+        if not any(r.in_step for r in requests):
+            # Every draft is behind, so no tree can be accepted and plain decoding wins
+            # without weighing the shapes (this runs before every bare plain step). These
+            # rounds save for the next new request's exploring round only what its kind's
+            # trials have earned.
+            plain = _plain_or_first(candidates)
+            share = self._kinds_share(requests)
+            return self._settle(bucket, candidates, plain, requests, costs, share=share)
         rates = {c: self._rate(bucket, c, requests, costs) for c in candidates}
         best = max(candidates, key=rates.__getitem__)
         current = self._current.get(bucket)
         if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
             best = current
         share = EXPLORE_SHARE
-        if best.tree is None and not any(r.in_step for r in requests):
-            # Every draft is behind: these plain rounds save for the next new request's
-            # exploring round only what its kind's trials have earned.
-            share = self._kinds_share(requests)
-        elif best.tree is None and self._hopeless(bucket, candidates, requests, costs, rates[best]):
+        if best.tree is None and self._hopeless(bucket, candidates, requests, costs, rates[best]):
             self._judge_trials(bucket, candidates, costs)
             fresh = [r for r in requests if r.in_step and not r.num_speculative_rounds]
             chosen = self._settle(
@@ -397,13 +401,24 @@ def _tokens_per_second(
         return sum(gains) / seconds
     total = sum(max(r.remaining, 1) for r in requests)
     ends = sorted(max(r.remaining, 1) / g for g, r in zip(gains, requests, strict=True))
+    scales = _scales_by_live(len(ends), shrinking)
     elapsed = done = 0.0
     for num_ended, end in enumerate(ends):
-        num_live = len(ends) - num_ended
-        scale = next((s for b, s in shrinking if b >= num_live), 1.0)
-        elapsed += (end - done) * scale
+        elapsed += (end - done) * scales[len(ends) - num_ended - 1]
         done = end
     return total / (elapsed * seconds)
+
+
+def _scales_by_live(num_requests: int, shrinking: Sequence[tuple[int, float]]) -> list[float]:
+    """For 1..num_requests live requests, the relative cost of a round in the smallest of
+    `shrinking`'s buckets (smallest first) that holds them, 1.0 where none does."""
+    scales = []
+    index = 0
+    for num_live in range(1, num_requests + 1):
+        while index < len(shrinking) and shrinking[index][0] < num_live:
+            index += 1
+        scales.append(shrinking[index][1] if index < len(shrinking) else 1.0)
+    return scales
 
 
 def _nobody_waits(requests: Sequence[AcceptanceEstimate]) -> bool:

@@ -339,6 +339,17 @@ def test_cost_leaves_drafts_behind_only_when_requests_of_the_kind_would_not_pay(
     assert {policy.choose(1, LADDER, [stale], costs) for _ in range(400)} == {PLAIN}
 
 
+def test_cost_runs_plain_whenever_every_draft_is_behind_whatever_the_trees_cost():
+    """With every draft behind no tree can be accepted: plain decoding, without weighing the
+    shapes, even where a tree round was measured cheaper (noise) or a tree ran last."""
+    costs = _costs({DEEP: 0.9, LADDER[1].tree: 0.8, LADDER[2].tree: 0.7, None: 1.0})
+    policy = CostPolicy()
+    fast = AcceptanceEstimate(alpha=0.9, prior=0.9, num_speculative_rounds=20)
+    assert policy.choose(1, LADDER, [fast], costs) != PLAIN
+    behind = [dataclasses.replace(fast, in_step=False, remaining=left) for left in (5, 50)]
+    assert {policy.choose(1, LADDER, behind, costs) for _ in range(50)} == {PLAIN}
+
+
 def test_cost_explores_new_requests_of_a_hopeless_kind_less_while_none_pays():
     """New requests of a kind left behind are explored within a budget that shrinks while
     their exploring rounds find none worth a tree, and stays whole while they do; the plain
