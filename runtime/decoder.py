@@ -284,19 +284,22 @@ class Decoder:
         tracker = SlotTracker(num_real)
         yield tracker.step(rows, stats, counts_round=False)
         book = self.planner.new_book()
+        # Without trees nothing reads the acceptance estimates: no bookkeeping per slot.
+        speculates = self.planner.speculates
         lag = host_lag(self.device)
         while not tracker.all_done:
             while len(reader) <= lag:
                 live = [slot for slot, done in enumerate(tracker.done) if not done]
-                estimates = [book.get(slot, kind=params[slot].greedy) for slot in live]
+                estimates = [book.get(s, kind=params[s].greedy) for s in live] if speculates else []
                 variant = self.planner.plan(bucket, params, estimates)
                 reader.submit(self.round_runner(bucket, variant=variant), tag=variant)
             rows, seconds, variant = reader.read()
             stats.round_seconds += seconds
             live = [slot for slot, done in enumerate(tracker.done) if not done]
             accepted = [rows[slot][ReportColumns.NUM_ACCEPTED] for slot in live]
-            for slot, num_accepted in zip(live, accepted, strict=True):
-                book.observe(slot, variant.tree, num_accepted, row_signals(rows[slot]))
+            if speculates:
+                for slot, num_accepted in zip(live, accepted, strict=True):
+                    book.observe(slot, variant.tree, num_accepted, row_signals(rows[slot]))
             self.planner.done(bucket, variant, seconds, accepted)
             stats.count_shape(variant.tag)
             yield tracker.step(rows, stats, counts_round=True)

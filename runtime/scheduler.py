@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from ..models.tokenizer import Tokenizer
+from .acceptance import AcceptanceEstimate
 from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, SamplingParams
 from .decoder import Decoder, settle_heap
@@ -426,6 +427,18 @@ class Scheduler:
         if not live:
             return
         params = [h.params for h in live]
+        estimates = self._estimates(live) if self.decoder.planner.speculates else []
+        variant = self.decoder.planner.plan(bucket, params, estimates)
+        if self.decoder.use_graphs and (bucket, variant) not in self.decoder.warmups:
+            self.decoder.prepare(bucket, variant=variant, prefill=False)
+            settle_heap()
+        run = self.decoder.round_runner(bucket, variant=variant)
+        self._reader.submit(run, tag=("round", list(owners), (bucket, variant)))
+
+    def _estimates(self, live: list[RequestHandle]) -> list[AcceptanceEstimate]:
+        """The live requests' acceptance estimates, told what a static batch's projection
+        needs: each request's tokens left and its batch's likely slowest (while nobody
+        waits)."""
         estimates = [self._acceptance.get(h, kind=h.params.greedy) for h in live]
         nobody_waits = not self._waiting
         for handle, estimate in zip(live, estimates, strict=True):
@@ -434,12 +447,7 @@ class Scheduler:
             estimate.slowest = (
                 self._acceptance.slowest_of(estimate.kind, len(live)) if nobody_waits else None
             )
-        variant = self.decoder.planner.plan(bucket, params, estimates)
-        if self.decoder.use_graphs and (bucket, variant) not in self.decoder.warmups:
-            self.decoder.prepare(bucket, variant=variant, prefill=False)
-            settle_heap()
-        run = self.decoder.round_runner(bucket, variant=variant)
-        self._reader.submit(run, tag=("round", list(owners), (bucket, variant)))
+        return estimates
 
     def _decoding(self, bucket: int) -> list[RequestHandle | None]:
         """The owners of the bucket's slots as its rounds see them: None for free slots and
@@ -465,6 +473,8 @@ class Scheduler:
 
     def _on_round(self, rows, owners, launched: tuple[int, RoundVariant], seconds: float) -> None:
         bucket, variant = launched
+        # Without trees nothing reads the acceptance estimates: no bookkeeping per request.
+        speculates = self.decoder.planner.speculates
         histogram = [0] * (self.decoder.max_depth + 1)
         accepted = []
         for row, handle in zip(rows, owners, strict=True):
@@ -474,7 +484,8 @@ class Scheduler:
             handle._count_round(num_accepted)
             histogram[num_accepted] += 1
             accepted.append(num_accepted)
-            self._acceptance.observe(handle, variant.tree, num_accepted, row_signals(row))
+            if speculates:
+                self._acceptance.observe(handle, variant.tree, num_accepted, row_signals(row))
             self._deliver(handle, row)
         self.decoder.planner.done(bucket, variant, seconds, accepted)
         with self._cond:
