@@ -239,7 +239,8 @@ class CostPolicy(_ExploringPolicy):
             # trials have earned.
             plain = _plain_or_first(candidates)
             share = self._kinds_share(requests)
-            return self._settle(bucket, candidates, plain, requests, costs, share=share)
+            chosen = self._settle(bucket, candidates, plain, requests, costs, share=share)
+            return self._launched(chosen, requests)
         rates = {c: self._rate(bucket, c, requests, costs) for c in candidates}
         best = max(candidates, key=rates.__getitem__)
         current = self._current.get(bucket)
