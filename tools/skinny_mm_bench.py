@@ -26,18 +26,29 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
+from ..models.config import LlamaConfig
 from ..runtime.kernels.skinny_mm import skinny_mm
 from .kernel_bench import num_input_sets, time_cuda_graph
+from .random_models import LLAMA_31_8B
 
 logger = logging.getLogger(__name__)
 
-LLAMA_8B_SHAPES = {
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
+
+def step_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(N, K) of each weight a decode step multiplies its rows by, as models/llama.py stores
+    them: q/k/v and gate/up fused, the LM head last."""
+    attention = config.num_heads * config.head_dim
+    key_value = config.num_kv_heads * config.head_dim
+    return {
+        "qkv": (attention + 2 * key_value, config.hidden_size),
+        "o": (config.hidden_size, attention),
+        "gate_up": (2 * config.intermediate_size, config.hidden_size),
+        "down": (config.hidden_size, config.intermediate_size),
+        "lm_head": (config.vocab_size, config.hidden_size),
+    }
+
+
+LLAMA_8B_SHAPES = step_weight_shapes(LLAMA_31_8B)
 
 
 def sweep_configs(*, use_dot: bool) -> list:
