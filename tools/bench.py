@@ -45,6 +45,7 @@ import torch
 from ..runtime.kernels.skinny_mm import MAX_ROWS
 from . import cold_start, decode_cli, generate_bench, gpt_fast_bench, serve_bench, train_bench
 from .bench_env import environment, fmt
+from .random_models import SHAPES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,6 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "skinny-mm", help="rt::skinny_mm vs cuBLAS vs Inductor on a decode step's products"
     )
     skinny.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    skinny.add_argument(
+        "--model", choices=sorted(SHAPES), default="llama-3.1-8b", help="whose weight shapes"
+    )
     skinny.add_argument("--shapes", nargs="+", default=None, help="of qkv o gate_up down lm_head")
     skinny.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
     skinny.add_argument("--json", default=None, help="write one JSON line per point here")
@@ -154,12 +158,13 @@ def _print_points(
 def run_skinny_mm(args: argparse.Namespace) -> int:
     from .kernel_bench import copy_bandwidth
     from .skinny_mm_bench import HEADER as SKINNY_HEADER
-    from .skinny_mm_bench import LLAMA_8B_SHAPES, bench_skinny_mm
+    from .skinny_mm_bench import bench_skinny_mm, step_weight_shapes
     from .skinny_mm_bench import row as skinny_row
 
-    unknown = set(args.shapes or ()) - set(LLAMA_8B_SHAPES)
+    weight_shapes = step_weight_shapes(SHAPES[args.model].target)
+    unknown = set(args.shapes or ()) - set(weight_shapes)
     if unknown:
-        raise ValueError(f"unknown --shapes {sorted(unknown)}; choose from {list(LLAMA_8B_SHAPES)}")
+        raise ValueError(f"unknown --shapes {sorted(unknown)}; choose from {list(weight_shapes)}")
     if not 1 <= min(args.rows) <= max(args.rows) <= MAX_ROWS:
         raise ValueError(f"--rows must lie in [1, {MAX_ROWS}], got {args.rows}")
     if not torch.cuda.is_available():
@@ -169,8 +174,9 @@ def run_skinny_mm(args: argparse.Namespace) -> int:
     print(json.dumps(env))
     points = (
         {"op": "rt::skinny_mm"}
-        | bench_skinny_mm(name, *LLAMA_8B_SHAPES[name], num_rows, sweep=args.sweep)
-        for name in args.shapes or LLAMA_8B_SHAPES
+        | {"model": args.model}
+        | bench_skinny_mm(name, *weight_shapes[name], num_rows, sweep=args.sweep)
+        for name in args.shapes or weight_shapes
         for num_rows in args.rows
     )
     _print_points(points, env=env, json_path=args.json, row=skinny_row, header=SKINNY_HEADER)

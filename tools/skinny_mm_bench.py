@@ -1,7 +1,7 @@
 """`specrun bench skinny-mm`: the decode step's matrix products, rt::skinny_mm against cuBLAS and
 Inductor, in bytes per second.
 
-Each point is one weight shape of a model (Llama-3.1-8B's by default: the fused q/k/v, the
+Each point is one weight shape of a model (`--model`, Llama-3.1-8B by default: the fused q/k/v, the
 attention output, the fused gate/up, the MLP down projection and the LM head) times a few rows
 of activations, timed as kernel_bench times everything (CUDA-graph replays, rotating over
 enough weight copies to cover the L2 several times). The contenders:
@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from ..models.config import LlamaConfig
 from ..runtime.kernels.skinny_mm import skinny_mm
 from .kernel_bench import num_input_sets, time_cuda_graph
-from .random_models import LLAMA_31_8B
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +47,19 @@ def step_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-LLAMA_8B_SHAPES = step_weight_shapes(LLAMA_31_8B)
-
-
-def sweep_configs(*, use_dot: bool) -> list:
-    """The tilings `--sweep` tries: one-row (elementwise) or tensor-core ones."""
+def sweep_configs(num_rows: int) -> list:
+    """The tilings `--sweep` tries for `num_rows` rows of x: elementwise ones for one row,
+    tensor-core ones for more (narrower stages past 16 rows, where x's tile is 32 or 64 rows
+    and wide stages would not fit the shared memory)."""
     from ..runtime.kernels.skinny_mm_triton import SkinnyMMConfig
 
-    if use_dot:
+    use_dot = num_rows > 1
+    if num_rows == 1:
+        grid = itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8), (1, 3))
+    elif num_rows <= 16:
         grid = itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 5))
     else:
-        grid = itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8), (1, 3))
+        grid = itertools.product((16, 32, 64), (64, 128), (4, 8), (3, 4))
     return [
         SkinnyMMConfig(block_n=n, block_k=k, num_warps=w, num_stages=s, use_dot=use_dot)
         for n, k, w, s in grid
@@ -114,7 +115,7 @@ def bench_skinny_mm(
         point[f"{label}_gbps"] = num_bytes / seconds / 1e9 if seconds else None
     if sweep:
         best = None
-        for config in sweep_configs(use_dot=num_rows > 1):
+        for config in sweep_configs(num_rows):
             seconds = _time(lambda x, w, c=config: launch_skinny_mm(x, w, config=c), xs, ws)
             if seconds is not None and (best is None or seconds < best[0]):
                 best = (seconds, config)
