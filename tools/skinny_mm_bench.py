@@ -49,17 +49,14 @@ def step_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
 
 def sweep_configs(num_rows: int) -> list:
     """The tilings `--sweep` tries for `num_rows` rows of x: elementwise ones for one row,
-    tensor-core ones for more (narrower stages past 16 rows, where x's tile is 32 or 64 rows
-    and wide stages would not fit the shared memory)."""
+    tensor-core ones for more."""
     from ..runtime.kernels.skinny_mm_triton import SkinnyMMConfig
 
     use_dot = num_rows > 1
-    if num_rows == 1:
-        grid = itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8), (1, 3))
-    elif num_rows <= 16:
+    if use_dot:
         grid = itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 5))
     else:
-        grid = itertools.product((16, 32, 64), (64, 128), (4, 8), (3, 4))
+        grid = itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8), (1, 3))
     return [
         SkinnyMMConfig(block_n=n, block_k=k, num_warps=w, num_stages=s, use_dot=use_dot)
         for n, k, w, s in grid

@@ -21,8 +21,8 @@ _DOT_ROWS = 16  # tl.dot's smallest M
 @dataclass(frozen=True)
 class SkinnyMMConfig:
     """One tiling: each program streams `block_n` rows of w, `block_k` columns per step.
-    `use_dot` multiplies on the tensor cores (x padded to 16, 32 or 64 rows); without it,
-    only one row of x is allowed."""
+    `use_dot` multiplies on the tensor cores (x padded to 16 rows); without it, only one row
+    of x is allowed."""
 
     block_n: int
     block_k: int
@@ -83,11 +83,6 @@ def _skinny_mm_kernel(
     tl.store(out_ptrs, sums.to(out_ptr.dtype.element_ty), mask=m_ok & (rows_n[None, :] < N))
 
 
-def dot_rows(num_rows: int) -> int:
-    """The rows of x a tensor-core tile holds for `num_rows` rows: 16, 32 or 64."""
-    return max(_DOT_ROWS, triton.next_power_of_2(num_rows))
-
-
 def launch_skinny_mm(
     x: torch.Tensor, w: torch.Tensor, *, config: SkinnyMMConfig | None = None
 ) -> torch.Tensor:
@@ -113,7 +108,7 @@ def launch_skinny_mm(
         w.stride(0),
         w.stride(1),
         out.stride(0),
-        BLOCK_M=dot_rows(num_rows) if config.use_dot else 1,
+        BLOCK_M=_DOT_ROWS if config.use_dot else 1,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
@@ -126,14 +121,11 @@ def launch_skinny_mm(
 def skinny_mm_config(num_rows: int, n: int, k: int) -> SkinnyMMConfig:
     """The tiling for x [num_rows, k] @ w [n, k]^T, fitted to `specrun bench skinny-mm --sweep`
     on an H100 (BENCHMARKS.md) with Llama-3.1-8B's weights: one row takes 8 rows of w per
-    program, 512 columns a step, elementwise; 2-16 rows take tensor-core tiles of 256 columns
+    program, 512 columns a step, elementwise; more rows take tensor-core tiles of 256 columns
     and 64 rows of w where N >= 6144 (16 below: N = 4096 then still has 256 programs).
-    Every tiling reached 94% or more of the best of its sweep there. 17-64 rows (a tree's
-    verification) hold x in a 32- or 64-row tile, so a stage of 128 columns keeps four stages
-    within the shared memory."""
+    Every tiling reached 94% or more of the best of its sweep there."""
     if num_rows == 1:
         return SkinnyMMConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
-    block_n = 64 if n >= 6144 else 16
-    if num_rows <= _DOT_ROWS:
-        return SkinnyMMConfig(block_n, block_k=256, num_warps=4, num_stages=5, use_dot=True)
-    return SkinnyMMConfig(block_n, block_k=128, num_warps=4, num_stages=4, use_dot=True)
+    return SkinnyMMConfig(
+        block_n=64 if n >= 6144 else 16, block_k=256, num_warps=4, num_stages=5, use_dot=True
+    )

@@ -94,9 +94,6 @@ INTERPRET_CASES = (
     (3, 40, 70, 16, 32, True),
     (16, 33, 128, 16, 32, True),
     (5, 64, 96, 32, 32, True),
-    (17, 40, 96, 16, 32, True),
-    (40, 50, 70, 16, 64, True),
-    (64, 32, 128, 32, 64, True),
 )
 
 
@@ -130,7 +127,7 @@ GPU_SHAPES = [
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_rows", [1, 2, 7, 16, 17, 40, MAX_ROWS])
+@pytest.mark.parametrize("num_rows", [1, 2, 7, MAX_ROWS])
 @pytest.mark.parametrize(("n", "k"), GPU_SHAPES)
 def test_gpu_kernel_matches_reference(n, k, num_rows, dtype):
     x, w = make_operands(num_rows, n, k, dtype=dtype, seed=n + k, device="cuda")

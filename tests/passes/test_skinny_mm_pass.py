@@ -25,7 +25,7 @@ PROJECTIONS_PER_LAYER = 4  # fused q/k/v, output, fused gate/up, down
 
 
 def _step_inputs(config, *, batch, num_tokens, dtype, device="cpu"):
-    """A forward of `num_tokens` chained tokens per slot over committed caches (at most 29)."""
+    """A forward of `num_tokens` chained tokens per slot over committed caches."""
     cache = KVCache.allocate(
         config, batch_size=batch, capacity=32, dtype=dtype, device=device, num_layers=None
     )
@@ -50,7 +50,7 @@ def _assert_close(got, want, **tolerance):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), **tolerance)
 
 
-@pytest.mark.parametrize(("batch", "num_tokens"), [(1, 1), (3, 1), (2, 8), (5, 8)])
+@pytest.mark.parametrize(("batch", "num_tokens"), [(1, 1), (3, 1), (2, 8)])
 def test_replaces_every_projection_of_a_few_row_step(batch, num_tokens):
     torch.manual_seed(0)
     target = random_llama(tiny_config(), dtype=torch.bfloat16)
@@ -63,7 +63,7 @@ def test_replaces_every_projection_of_a_few_row_step(batch, num_tokens):
 @pytest.mark.parametrize(
     ("dtype", "batch", "num_tokens", "device_types"),
     [
-        pytest.param(torch.bfloat16, 3, 22, ("cpu",), id="66-rows"),
+        pytest.param(torch.bfloat16, 3, 6, ("cpu",), id="18-rows"),
         pytest.param(torch.float32, 1, 1, ("cpu",), id="float32"),
         pytest.param(torch.bfloat16, 1, 1, ("cuda",), id="another-device"),
     ],
@@ -79,14 +79,14 @@ def test_leaves_other_products_alone(dtype, batch, num_tokens, device_types):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("batch", "num_tokens"), [(1, 1), (5, 1), (2, 20)])
-def test_gpu_bf16_decode_step_replaces_and_matches_eager(batch, num_tokens):
+@pytest.mark.parametrize("batch", [1, 5])
+def test_gpu_bf16_decode_step_replaces_and_matches_eager(batch):
     torch.manual_seed(0)
     target = random_llama(tiny_config(hidden_size=256, intermediate_size=704), dtype=torch.bfloat16)
     target = target.cuda()
     step, manager = _compiled_step(target, device_types=("cuda",))
     inputs = _step_inputs(
-        target.config, batch=batch, num_tokens=num_tokens, dtype=torch.bfloat16, device="cuda"
+        target.config, batch=batch, num_tokens=1, dtype=torch.bfloat16, device="cuda"
     )
     _assert_close(step(*inputs), target(*inputs), atol=3e-2, rtol=3e-2)
     assert manager.stats["skinny_mm"] == PROJECTIONS_PER_LAYER * target.config.num_layers

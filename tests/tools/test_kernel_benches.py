@@ -12,13 +12,10 @@ from specrun.tools.skinny_mm_bench import row, sweep_configs
 
 
 def test_a_sweep_tries_tensor_core_tiles_only_where_tl_dot_takes_them():
-    dot, verify = sweep_configs(8), sweep_configs(40)
-    one_row = sweep_configs(1)
-    assert dot and verify and one_row and len(set(dot)) == len(dot)
-    assert all(c.use_dot and c.block_n >= 16 and c.block_k >= 16 for c in dot + verify)
+    dot, one_row = sweep_configs(8), sweep_configs(1)
+    assert dot and one_row and len(set(dot)) == len(dot)
+    assert all(c.use_dot and c.block_n >= 16 and c.block_k >= 16 for c in dot)
     assert not any(c.use_dot for c in one_row)
-    # x's 64-row tile and w's, both bf16, fit an H100's 228 KB shared memory in every stage.
-    assert all((64 + c.block_n) * c.block_k * 2 * c.num_stages <= 228 * 1024 for c in verify)
 
 
 def test_a_row_names_the_shape_and_every_contender_that_ran():
