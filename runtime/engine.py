@@ -50,8 +50,9 @@ from .replicated import (
 )
 from .requests import check_requests
 from .round_plan import RoundVariant
-from .scheduler import Scheduler, run_in_passing_thread
+from .scheduler import Scheduler
 from .stats import EngineStats
+from .threads import run_in_passing_thread
 
 logger = logging.getLogger(__name__)
 

@@ -59,6 +59,7 @@ from .reports import ReportReader, host_lag, row_finish, row_signals, row_tokens
 from .round import ReportColumns
 from .round_plan import RoundVariant
 from .stats import EngineStats
+from .threads import CallResult
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
         self._cancels: list[RequestHandle] = []
-        self._calls: deque[tuple[Callable[[], Any], _Result]] = deque()
+        self._calls: deque[tuple[Callable[[], Any], CallResult]] = deque()
         self._closing = False
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
@@ -200,7 +201,7 @@ class Scheduler:
                 fn_now = True
             else:
                 fn_now = False
-                result = _Result()
+                result = CallResult()
                 self._calls.append((fn, result))
                 self._cond.notify_all()
         return fn() if fn_now else result.wait()
@@ -543,46 +544,3 @@ class _Prefills:
     chunks: list[tuple[RequestHandle, int]] = field(default_factory=list)
     reserved: list[tuple[int, RequestHandle]] = field(default_factory=list)
     whole: list[tuple[int, RequestHandle]] = field(default_factory=list)
-
-
-class _Result:
-    """The outcome of a call run on the loop thread, waited for by its caller."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._value = fn()
-        except BaseException as e:  # handed to the caller's thread
-            self._error = e
-        self._done.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._done.set()
-
-    def wait(self) -> Any:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-def run_in_passing_thread(fn: Callable[[], Any]) -> Any:
-    """fn() in a thread that ends when it returns; its value, or its exception re-raised.
-
-    On the CPU, OpenMP keeps a team of worker threads for every thread that has run parallel
-    ops, for as long as that thread lives. Once the teams hold more threads than there are
-    cores, libgomp stops their workers spinning between parallel regions, and each GEMV of a
-    decode step on the loop thread then waits for a sleeping worker to wake: with the model
-    loaded on the caller's thread, the embedded model's plain step took 25-27 ms on two
-    cores instead of 17-19. Loading in a passing thread takes its team with it.
-    """
-    result = _Result()
-    thread = threading.Thread(target=result.run, args=(fn,), name="specrun-load")
-    thread.start()
-    thread.join()
-    return result.wait()

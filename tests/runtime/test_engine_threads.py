@@ -186,7 +186,7 @@ def _wait_for(condition, timeout: float = 10.0) -> None:
 
 def test_cpu_loading_runs_off_the_callers_thread_and_its_errors_come_back(smollm_dir, monkeypatch):
     """from_pretrained on the CPU loads in a thread that ends with the loading (the caller's
-    thread keeps no OpenMP team beside the loop thread's: scheduler.run_in_passing_thread);
+    thread keeps no OpenMP team beside the loop thread's: threads.run_in_passing_thread);
     what loading raises reaches the caller unchanged."""
     from specrun.runtime import engine as engine_module
 
