@@ -28,6 +28,7 @@ from ..models.default import cache_root, default_model_dir, resolve_draft
 from ..models.eagle import DraftHead
 from ..models.llama import Llama
 from ..models.loading import load_draft, load_target
+from ..models.packed_linear import pack_target_and_head, packs_linears
 from ..models.tokenizer import Tokenizer
 from . import aot, cost_profile
 from .acceptance import MeasuredAcceptance
@@ -169,6 +170,9 @@ class Engine:
         started = time.perf_counter()
         model = load_target(model_dir, dtype=dtype, device=device)
         head = load_draft(draft, target=model) if draft is not None else None
+        if packs_linears(device, dtype) and not config.resolved_compile():
+            num_packed = pack_target_and_head(model, head)
+            logger.info("packed %d linear weights for oneDNN", num_packed)
         logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - started)
         tokenizer, acceptance = Tokenizer.from_dir(model_dir), head_acceptance(draft)
         engine = cls(model, tokenizer, config, head=head, acceptance=acceptance)

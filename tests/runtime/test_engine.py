@@ -10,6 +10,7 @@ import torch
 from specrun.models.config import DraftConfig
 from specrun.models.eagle import build_draft
 from specrun.models.loading import save_draft
+from specrun.models.packed_linear import PackedLinear
 from specrun.runtime import Engine, EngineConfig, SamplingParams
 from specrun.runtime.tree import TreeShape
 from tiny_models import TargetAsDraft
@@ -72,6 +73,14 @@ def test_generate_stream_and_speculation_agree(engine, spec_engine):
     assert accepted == sum(o.stats.num_accepted for o in spec)
     assert "".join(spec_engine.stream(prompts[0], params)) == spec[0].text
     assert spec_engine.stats().num_requests == 3
+
+
+def test_an_eager_cpu_engine_multiplies_by_packed_weights(engine, spec_engine):
+    for model in (engine.model, spec_engine.model, spec_engine.decoder.head):
+        modules = list(model.modules())
+        assert not any(isinstance(m, torch.nn.Linear) for m in modules)
+        assert any(isinstance(m, PackedLinear) for m in modules)
+    assert spec_engine.decoder.head.shared.lm_head is spec_engine.model.lm_head
 
 
 def test_a_perfect_draft_is_accepted_whole_in_every_round_but_the_last(engine):
