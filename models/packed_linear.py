@@ -79,12 +79,15 @@ def pack_linears(model: nn.Module, *, keep_weight: tuple[str, ...] = ()) -> int:
     the modules named in `keep_weight` (e.g. "lm_head") keep their dense weight too. Returns
     the number replaced. Modules that hold one of these Linears outside `model`'s tree must
     be pointed at the replacements by the caller."""
-    named = [(name, module) for name, module in model.named_modules() if type(module) in _PACKABLE]
-    for name, linear in named:
+    # Names only: each dense weight is freed as soon as its module is replaced, so the next
+    # packed weight can take its memory (the model never holds both layouts of every layer).
+    names = [name for name, module in model.named_modules() if type(module) in _PACKABLE]
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, PackedLinear(linear, keep_weight=name in keep_weight))
-    return len(named)
+        packed = PackedLinear(getattr(parent, child), keep_weight=name in keep_weight)
+        setattr(parent, child, packed)
+    return len(names)
 
 
 def pack_target_and_head(target: Llama, head: DraftHead | None) -> int:
