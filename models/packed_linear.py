@@ -5,10 +5,10 @@ products (one row, or a tree's few) then read the weights at about half the mach
 bandwidth (the embedded model's MLP on a 2-core AVX-512 EPYC in bf16: 19 GB/s against 40 for a
 plain sum over the same bytes). Packed once into oneDNN's blocked layout, the same products
 run at 30-41 GB/s at one row: 1.3-2.2x per product in bf16 at 1-13 rows, 1.05-1.2x at 128,
-1.4-3.4x in float32 (faster at every size measured; BENCHMARKS.md). `pack_linears` swaps a model's Linear modules for `PackedLinear`s that
-hold only the packed weight (the dense one goes, so the model takes no more memory), except
-where other code reads the dense one (`keep_weight`); `pack_target_and_head` does it for a
-target and its draft head.
+1.4-3.4x in float32 (faster at every size measured; BENCHMARKS.md). `pack_linears` swaps a
+model's Linear modules for `PackedLinear`s that hold only the packed weight (the dense one
+goes, so the model takes no more memory), except where other code reads the dense one
+(`keep_weight`); `pack_target_and_head` does it for a target and its draft head.
 
 The two ops are the ones Inductor's CPU freezing uses, not public API:
 `torch.ops.mkldnn._reorder_linear_weight` and `torch.ops.mkldnn._linear_pointwise` (checked
