@@ -27,6 +27,8 @@ from .fused_linear import FusedLinear
 from .llama import Llama
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Exact types: subclasses of nn.Linear with other forwards (tensor-parallel layers) stay.
+_PACKABLE = (nn.Linear, FusedLinear)
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
@@ -101,5 +103,3 @@ def pack_target_and_head(target: Llama, head: DraftHead | None) -> int:
         head.shared = SharedModules(embed_tokens=target.embed_tokens, lm_head=target.lm_head)
     return num_packed
 
-
-_PACKABLE = (nn.Linear, FusedLinear)
