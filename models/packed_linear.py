@@ -102,4 +102,3 @@ def pack_target_and_head(target: Llama, head: DraftHead | None) -> int:
         num_packed += pack_linears(head)
         head.shared = SharedModules(embed_tokens=target.embed_tokens, lm_head=target.lm_head)
     return num_packed
-
