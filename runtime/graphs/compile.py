@@ -3,8 +3,9 @@
 A step is any callable the runtime runs as one graph: a target forward (prefill, verify), a
 draft-head forward, a whole speculative round. `compile_step` wraps it in
 `torch.compile(fullgraph=True, backend="inductor")` with Inductor's own CUDA graphs off (the
-runner captures graphs itself) and, around every call (compilation happens lazily inside
-calls), installs the pass manager and bounds recompilation:
+runner captures graphs itself) and independent element-wise kernels combined into one launch,
+and, around every call (compilation happens lazily inside calls), installs the pass manager
+and bounds recompilation:
 
 - `manager.installed()` patches `post_grad_custom_post_pass` for the duration of the call;
   global config is never modified, so other compilations in the process are unaffected;
@@ -59,7 +60,15 @@ from ..passes import PassManager
 logger = logging.getLogger(__name__)
 
 DEFAULT_RECOMPILE_LIMIT = 8
-_INDUCTOR_OPTIONS = {"triton.cudagraphs": False}
+# Inductor's own CUDA graphs off (the runner captures them). Independent element-wise kernels
+# launched as one (a layer's q and k rotations and its v copy, the draft steps' small
+# kernels): a round is hundreds of kernels of a few microseconds each. Element-wise only:
+# torch 2.11's Inductor fails to generate a combo kernel holding a sort (the tree's top-k).
+_INDUCTOR_OPTIONS = {
+    "triton.cudagraphs": False,
+    "combo_kernels": True,
+    "combo_kernels_pointwise_only": True,
+}
 
 # Graphs allowed per code object: the sum of the recompile limits of its steps (see above).
 _code_graph_budgets: collections.Counter[Any] = collections.Counter()
@@ -237,7 +246,7 @@ def compile_step(
         manager: the pass manager (a fresh `PassManager()` with specrun's passes by default);
             its `stats` count the matches of every graph this step compiles.
         recompile_limit: compiled graphs allowed per step before a call raises.
-        options: extra Inductor options (on top of `triton.cudagraphs=False`).
+        options: extra Inductor options (on top of `_INDUCTOR_OPTIONS`).
         mark_dynamic: called with a call's arguments before they are compiled for (not when
             a precompiled function takes them), to mark dims dynamic.
     """
