@@ -28,7 +28,7 @@ moves it a small step back towards the running mean of the engine's requests of 
 differently): a request that fell back to plain decoding after a few poor rounds is tried
 again, after a hundred plain rounds or so, unless such requests accept little in general
 (acceptance moves with the text; a stale low estimate would keep the request plain for
-good). The step is small because the exploring rounds (runtime/policy.py) measure such a
+good). The step is small because the exploring rounds (runtime/policies/) measure such a
 request again anyway, and a faster drift made a static batch retry trees on its slowest
 request every few rounds. A request that has run SPREAD_ROUNDS speculative rounds also
 moves a larger step (`RECOVERY_RATE`) towards its own typical alpha, the mean of its

@@ -37,7 +37,7 @@ DEFAULT_TREES: Mapping[int, TreeShape | StaticTree | None] = MappingProxyType(
     }
 )
 
-# The speculation policies by name (runtime/policy.py builds them).
+# The speculation policies by name (runtime/policies/ builds them).
 POLICY_NAMES = ("cost", "fixed", "batch-table", "ema", "gammatune", "dsde")
 
 # A draft-head directory may carry the tree shapes measured best for it (see default_trees).
@@ -268,7 +268,7 @@ class EngineConfig:
         only when none runs, i.e. static batches that end with their slowest request; for
         comparison).
     policy: how each round's tree is chosen among the bucket's ladder of shapes (its tree,
-        smaller ones, plain decoding; runtime/policy.py): "cost" (expected tokens per
+        smaller ones, plain decoding; runtime/policies/): "cost" (expected tokens per
         measured second), "fixed" (the bucket's tree, nothing else is built), "batch-table",
         "ema", "gammatune" or "dsde".
     tensor_parallel: the number of ranks (processes, one GPU each on CUDA) the target is split

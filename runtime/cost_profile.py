@@ -1,5 +1,5 @@
 """Round costs measured on the device, saved so that an engine starts with them: what the
-`cost` policy (runtime/policy.py) divides expected tokens by.
+`cost` policy (runtime/policies/) divides expected tokens by.
 
 `measure` times every round a decoder may run in each bucket (each shape of its ladder, each
 round variant, the captured graphs themselves on CUDA) over a state of done slots, and

@@ -1,6 +1,6 @@
 """Which round a batch runs next: the rounds each bucket may run (`RoundVariant`: a tree of the
 bucket's ladder or plain decoding, for the requests' sampling parameters), and the choice
-among them before each launch by the speculation policy (runtime/policy.py) from the round
+among them before each launch by the speculation policy (runtime/policies/) from the round
 costs and the requests' acceptance estimates (runtime/acceptance.py).
 
 The Decoder owns one `RoundPlanner` (`Decoder.planner`), compiles and captures every round
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .acceptance import AcceptanceBook, AcceptanceEstimate, MeasuredAcceptance, RoundCosts
 from .config import EngineConfig, SamplingParams
-from .policy import make_policy, tree_ladder
+from .policies import make_policy, tree_ladder
 from .sampling import needs_filtering
 from .tree import StaticTree, TreeShape
 

@@ -25,7 +25,7 @@ Requests are submitted from any thread into a bounded FIFO waiting queue (beyond
   bucket without copying (every bucket views the first slots of one store) and, when the live
   requests fit a smaller bucket and nobody waits, its live slots above that bucket move down;
 - launches one round of that bucket, its tree chosen by the decoder's speculation policy
-  from the live requests' acceptance estimates (runtime/policy.py) and its variant from their
+  from the live requests' acceptance estimates (runtime/policies/) and its variant from their
   parameters, and reads the reports one round late, delivering each request's tokens to its
   handle and each row's accepted drafts to the request's estimate.
 

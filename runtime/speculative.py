@@ -31,7 +31,7 @@ def speculative_generate(
     policy: str = "fixed",
 ) -> tuple[list[Generation], DecodeStats]:
     """Decode a batch of tokenized prompts to completion with draft trees of `shape` (with
-    an adaptive `policy`, `shape` and its ladder: runtime/policy.py)."""
+    an adaptive `policy`, `shape` and its ladder: runtime/policies/)."""
     stats = DecodeStats()
     results: list[Generation] = []
     steps = speculative_stream(

@@ -9,7 +9,7 @@ import torch
 
 from specrun.models.config import LlamaConfig
 from specrun.models.llama import Llama
-from specrun.runtime.policy import Policy
+from specrun.runtime.policies import Policy
 
 
 def tiny_config(**overrides) -> LlamaConfig:
@@ -111,7 +111,7 @@ class TargetAsDraft(torch.nn.Module):
 
 
 class ShuffledPolicy(Policy):
-    """A speculation policy (runtime/policy.py) that picks any candidate at random, so the
+    """A speculation policy (runtime/policies/) that picks any candidate at random, so the
     shape changes between rounds, with probability `leave_behind` lets a plain round leave
     the drafts behind for good, and with probability `undrafted` has new requests prefilled
     without the head; remembers each round's tree and accepted drafts, and each admission's

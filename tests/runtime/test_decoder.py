@@ -25,7 +25,7 @@ from specrun.runtime.config import (
     head_acceptance,
 )
 from specrun.runtime.decoder import Decoder
-from specrun.runtime.policy import Policy
+from specrun.runtime.policies import Policy
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.round_plan import RoundVariant
 from specrun.runtime.stats import DecodeStats

@@ -25,7 +25,7 @@ from specrun.runtime.acceptance import (
     level_width,
 )
 from specrun.runtime.config import POLICY_NAMES, EngineConfig, SamplingParams
-from specrun.runtime.policy import (
+from specrun.runtime.policies import (
     EXPLORE_EVERY,
     EXPLORE_SHARE,
     POLICIES,

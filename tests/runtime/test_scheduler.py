@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from specrun.runtime.config import EngineConfig, SamplingParams
 from specrun.runtime.decoder import Decoder
 from specrun.runtime.handle import FINISH_CANCELLED, EngineOverloadedError
-from specrun.runtime.policy import CostPolicy
+from specrun.runtime.policies import CostPolicy
 from specrun.runtime.reference import reference_generate
 from specrun.runtime.scheduler import Scheduler
 from specrun.runtime.tree import TreeShape

@@ -1,66 +1,7 @@
-"""Speculation policies: before each round, which of the bucket's captured tree shapes (plain
-decoding included) the batch runs.
-
-Each bucket has a ladder of candidate shapes (`tree_ladder`): its configured tree, a tree of
-half its depth and width, a small tree, and plain decoding. Every candidate is a whole round
-compiled (and on CUDA captured) for the bucket, so switching costs nothing; the Decoder keeps
-the draft cache in step through plain rounds, so any round may speculate again (until a
-policy lets the drafts fall behind for good, `Policy.leaves_draft_behind`).
-
-Policies, by `EngineConfig.policy` name:
-- `fixed`: the configured tree, every round (no other shape is built).
-- `cost` (the default): the shape that maximises expected tokens per second, the sum over
-  live requests of (1 + expected accepted drafts) divided by the round's measured seconds
-  (runtime/acceptance.py); a shape not yet measured runs first.
-  While no request waits for a slot, nothing refills the slots of requests that end, so the
-  batch takes as long as its slowest request: the shape that minimises the time until the
-  last request ends. Under a shape, each request ends after remaining tokens / (1 + expected
-  accepted drafts) rounds; the batch pays this bucket's cost until few enough are left to
-  run in a smaller bucket, then that bucket's (the shape's cost scaled as the plain step's
-  is between the buckets). So a tree that the slowest request alone would not pay for still
-  runs when it ends the others early enough that the slowest finishes in a cheaper bucket.
-  Where a tree costs twice a plain step, overrating the slowest request costs more than
-  underrating it: a lower quartile of the requests instead kept trees running at batch 16
-  that the slowest request did not pay for. A request that has not yet
-  run a few speculative rounds is expected to accept no more than the slowest of a batch
-  of its size that its kind's finished requests make likely (`AcceptanceBook.slowest_of`):
-  the kind's mean says little about a batch's slowest request.
-  The expectation for a sampled (stochastic) tree is calibrated by what that tree's rounds
-  accepted against what was expected of them (a moving ratio: the model extrapolates one
-  chain acceptance to every tree, and sampled children, drawn with repeats, accept less
-  than it predicts for wide levels).
-  Hysteresis: the current shape stays unless another beats it by `HYSTERESIS`.
-  While plain decoding wins, the smallest tree runs now and then so that acceptance
-  estimates stay current: each plain round earns `EXPLORE_SHARE` of its seconds, and an
-  exploring round runs when the earnings cover what it costs over a plain round (so
-  exploring costs at most that share of the time; every `EXPLORE_EVERY` rounds until both
-  rounds are measured).
-  When plain decoding wins by `LEAVE_BEHIND_MARGIN` even for requests that accept what
-  their kind accepts on average (the engine's running mean, not one request's recent
-  rounds, which dip and recover with the text; in a static batch, new requests capped at
-  their kind's likely slowest as above), the policy lets the live requests' drafts
-  fall behind for good (`leaves_draft_behind`): the planner then runs bare plain steps,
-  which neither append to nor commit the pending pairs, so plain decoding costs what it
-  costs without a head. Requests that have not yet run a tree take the exploring rounds
-  the budget allows first, so the running means keep learning; for a kind left behind,
-  that budget shrinks with the share of its explored new requests that turned out worth a
-  tree (at their own estimate after the round), so a kind that never pays stops paying for
-  exploring too; the plain rounds of requests already left behind save for the next new
-  request at that shrunken share as well. New requests of such a kind are prefilled
-  without the head, their drafts behind from the start (`drafts_new`), but for one in as
-  many as that share says: a trial, run with the head, so the kind can still recover.
-- `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
-  per request-round over the last `WINDOW` falls below `CUTOFF`, then plain decoding for
-  good (TensorRT-LLM's rule; vLLM's table without the cut-off).
-- `ema`: a moving average of the batch's accepted drafts picks the shallowest tree at least
-  one level deeper (SGLang's rule, over trees instead of chains); never plain.
-- `gammatune`: a target depth that grows by one after a round whose rows all accepted every
-  level, and otherwise falls halfway to what was accepted; the tree nearest it; never plain.
-- `dsde`: each request's speculation length from the KL divergence between draft and target
-  the rounds report and its variance (`dsde_length`, DSDE's signal); the tree whose depth is
-  nearest the batch's mean length, plain decoding below DSDE_PLAIN_BELOW (exploring as
-  `cost` does).
-"""
+"""The policies driven by acceptance estimates and measured round costs: `cost` (expected
+tokens per second) and `dsde` (speculation length from the draft/target KL signal), with the
+exploring rounds that keep estimates current while plain decoding wins (`_ExploringPolicy`).
+The rules themselves are stated in the package docstring (runtime/policies/__init__.py)."""
 
 from __future__ import annotations
 
@@ -68,95 +9,16 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Hashable, Sequence
-from typing import ClassVar, Protocol
 
-from .acceptance import AcceptanceEstimate, RoundCosts
-from .tree import StaticTree, TreeShape
+from ..acceptance import AcceptanceEstimate, RoundCosts
+from ..tree import TreeShape
+from .base import Candidate, Policy, nearest_depth, plain_or_first, speculative_candidates
 
 HYSTERESIS = 0.05
 EXPLORE_EVERY, EXPLORE_SHARE = 16, 0.01
 CALIBRATION_RATE, CALIBRATION_RANGE = 0.1, (0.2, 1.5)
-WINDOW, CUTOFF = 256, 0.5
-EMA_RATE = 0.2
 DSDE_PLAIN_BELOW = 0.5
 LEAVE_BEHIND_MARGIN = 0.1
-
-
-class Candidate(Protocol, Hashable):
-    """A round a bucket can run: its tree (None: plain decoding)."""
-
-    tree: TreeShape | StaticTree | None
-
-
-def tree_ladder(tree: TreeShape | StaticTree | None) -> tuple[TreeShape | StaticTree | None, ...]:
-    """The shapes an adaptive policy chooses among for a bucket configured with `tree`: the
-    tree, then, largest first, one of about half its depth and width with a third of its
-    nodes and a small (3, 2, 4) tree (both no larger than it), and plain decoding (None)."""
-    if tree is None:
-        return (None,)
-    if isinstance(tree, StaticTree):
-        return (tree, None)
-    half_depth, half_topk = -(-tree.depth // 2), -(-tree.topk // 2)
-    most_nodes = 1 + half_topk + (half_depth - 1) * half_topk**2
-    half_nodes = min(max(half_depth + 1, tree.num_nodes // 3), most_nodes)
-    half = TreeShape(half_depth, half_topk, half_nodes, tree.stochastic)
-    small_depth = min(3, tree.depth)
-    small = TreeShape(small_depth, min(2, tree.topk), small_depth + 1, tree.stochastic)
-    smaller = sorted({half, small} - {tree}, key=lambda t: (t.num_nodes, t.depth), reverse=True)
-    return (tree, *smaller, None)
-
-
-class Policy:
-    """Chooses one of a bucket's candidates before each round (`choose`) and hears every
-    round's accepted drafts per live row (`observe`)."""
-
-    name: ClassVar[str]
-    # Whether drafts_new may return False.
-    skips_drafts: ClassVar[bool] = False
-
-    def choose(
-        self,
-        bucket: int,
-        candidates: Sequence[Candidate],
-        requests: Sequence[AcceptanceEstimate],
-        costs: RoundCosts,
-    ) -> Candidate:
-        raise NotImplementedError
-
-    def observe(self, bucket: int, candidate: Candidate, accepted: Sequence[int]) -> None:
-        """One round's accepted draft tokens of its live rows."""
-
-    def leaves_draft_behind(self, bucket: int) -> bool:
-        """Whether the plain round just chosen for the bucket may leave the live requests'
-        drafts behind for good (RoundPlanner.plan then runs a bare plain step)."""
-        return False
-
-    def drafts_new(
-        self,
-        bucket: int,
-        candidates: Sequence[Candidate],
-        requests: Sequence[AcceptanceEstimate],
-        costs: RoundCosts,
-    ) -> bool:
-        """Whether new requests joining the bucket are prefilled with the head (False:
-        their drafts are left behind from the start; RoundPlanner.drafts_prompts)."""
-        return True
-
-    @property
-    def adaptive(self) -> bool:
-        """Whether the policy chooses among several shapes (False: only the first is built)."""
-        return True
-
-
-class FixedPolicy(Policy):
-    name = "fixed"
-
-    def choose(self, bucket, candidates, requests, costs):
-        return candidates[0]
-
-    @property
-    def adaptive(self) -> bool:
-        return False
 
 
 class _ExploringPolicy(Policy):
@@ -182,7 +44,7 @@ class _ExploringPolicy(Policy):
         """Run `best`, or the exploring round when it is due and some request is in step
         (a plain round earns `share` of its seconds; the credit is kept, up to one exploring
         round's, while no request is in step)."""
-        speculative = _speculative(candidates)
+        speculative = speculative_candidates(candidates)
         if best.tree is not None or not speculative:
             self._explore_credit[bucket] = 0.0
             return self._ran(bucket, best)
@@ -237,7 +99,7 @@ class CostPolicy(_ExploringPolicy):
             # without weighing the shapes (this runs before every bare plain step). These
             # rounds save for the next new request's exploring round only what its kind's
             # trials have earned.
-            plain = _plain_or_first(candidates)
+            plain = plain_or_first(candidates)
             share = self._kinds_share(requests)
             chosen = self._settle(bucket, candidates, plain, requests, costs, share=share)
             return self._launched(chosen, requests)
@@ -298,7 +160,7 @@ class CostPolicy(_ExploringPolicy):
         """Whether plain decoding (at `plain_rate`) beats every tree by LEAVE_BEHIND_MARGIN
         for requests accepting what their kind accepts on average, new ones in a static batch
         no more than its likely slowest (some still in step)."""
-        speculative = _speculative(candidates)
+        speculative = speculative_candidates(candidates)
         if not speculative or not any(r.in_step for r in requests):
             return False
         rates = [self._rate(bucket, c, requests, costs, at_prior=True) for c in speculative]
@@ -354,7 +216,7 @@ class DsdePolicy(_ExploringPolicy):
     name = "dsde"
 
     def choose(self, bucket, candidates, requests, costs):
-        speculative = _speculative(candidates)
+        speculative = speculative_candidates(candidates)
         measured = [r for r in requests if r.num_speculative_rounds]
         if not speculative or not measured:
             return self._ran(bucket, candidates[0])
@@ -363,7 +225,7 @@ class DsdePolicy(_ExploringPolicy):
         plain = [c for c in candidates if c.tree is None]
         if length < DSDE_PLAIN_BELOW and plain:
             return self._settle(bucket, candidates, plain[0], requests, costs)
-        return self._ran(bucket, _nearest_depth(speculative, length, above=False))
+        return self._ran(bucket, nearest_depth(speculative, length, above=False))
 
 
 def dsde_length(estimate: AcceptanceEstimate, max_depth: int) -> float:
@@ -445,120 +307,3 @@ def _shrinking_costs(
         if seconds is not None:
             found.append((smaller, seconds / here))
     return found
-
-
-class BatchTablePolicy(Policy):
-    name = "batch-table"
-
-    def __init__(self) -> None:
-        self._window: deque[int] = deque(maxlen=WINDOW)
-        self.switched_off = False
-
-    def choose(self, bucket, candidates, requests, costs):
-        if self.switched_off:
-            return _plain_or_first(candidates)
-        return candidates[0]
-
-    def observe(self, bucket, candidate, accepted):
-        if candidate.tree is None or self.switched_off:
-            return
-        self._window.extend(accepted)
-        full = len(self._window) == self._window.maxlen
-        if full and sum(self._window) / len(self._window) < CUTOFF:
-            self.switched_off = True
-
-
-class _DepthPolicy(Policy):
-    """A policy that follows a target depth learnt from the accepted lengths of speculative
-    rounds: the tree nearest it (`ABOVE`: the shallowest at least that deep); the configured
-    tree until it has one; never plain."""
-
-    ABOVE: ClassVar[bool]
-
-    def __init__(self) -> None:
-        self._state: float | None = None
-
-    def _target(self, state: float) -> float:
-        return state
-
-    def _learn(self, state: float | None, depth: int, accepted: Sequence[int]) -> float:
-        """The state after a round of a tree of `depth` whose rows accepted `accepted`."""
-        raise NotImplementedError
-
-    def choose(self, bucket, candidates, requests, costs):
-        speculative = _speculative(candidates) or list(candidates)
-        if self._state is None:
-            return speculative[0]
-        return _nearest_depth(speculative, self._target(self._state), above=self.ABOVE)
-
-    def observe(self, bucket, candidate, accepted):
-        if candidate.tree is None or not accepted:
-            return
-        self._state = self._learn(self._state, candidate.tree.depth, accepted)
-
-
-class EmaPolicy(_DepthPolicy):
-    """State: a moving average of the accepted drafts; target one level deeper."""
-
-    name = "ema"
-    ABOVE = True
-
-    def _target(self, state: float) -> float:
-        return math.ceil(state) + 1
-
-    def _learn(self, state, depth, accepted):
-        mean = sum(accepted) / len(accepted)
-        return mean if state is None else (1 - EMA_RATE) * state + EMA_RATE * mean
-
-
-class GammaTunePolicy(_DepthPolicy):
-    """State: the target depth gamma."""
-
-    name = "gammatune"
-    ABOVE = False
-
-    def _learn(self, state, depth, accepted):
-        gamma = depth if state is None else state
-        if min(accepted) >= depth:
-            return gamma + 1
-        return max(1.0, (gamma + sum(accepted) / len(accepted)) / 2)
-
-
-def _speculative(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The candidates that draft a tree."""
-    return [c for c in candidates if c.tree is not None]
-
-
-def _plain_or_first(candidates: Sequence[Candidate]) -> Candidate:
-    return next((c for c in candidates if c.tree is None), candidates[0])
-
-
-def _nearest_depth(candidates: Sequence[Candidate], depth: float, *, above: bool) -> Candidate:
-    """The candidate whose depth is nearest `depth`; with `above`, the shallowest at least
-    that deep (else the deepest)."""
-    if above:
-        deep_enough = [c for c in candidates if c.tree.depth >= depth]
-        if deep_enough:
-            return min(deep_enough, key=lambda c: c.tree.depth)
-        return max(candidates, key=lambda c: c.tree.depth)
-    return min(candidates, key=lambda c: (abs(c.tree.depth - depth), c.tree.depth))
-
-
-POLICIES: dict[str, type[Policy]] = {
-    policy.name: policy
-    for policy in (
-        CostPolicy,
-        FixedPolicy,
-        BatchTablePolicy,
-        EmaPolicy,
-        GammaTunePolicy,
-        DsdePolicy,
-    )
-}
-
-
-def make_policy(name: str) -> Policy:
-    """A fresh policy by name (config.POLICY_NAMES)."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown speculation policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name]()
