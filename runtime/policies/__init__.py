@@ -68,12 +68,10 @@ Modules: base.py (the candidate, the ladder, the `Policy` interface), cost.py (`
 from __future__ import annotations
 
 from .base import Candidate, Policy, tree_ladder
-from .cost import EXPLORE_EVERY, EXPLORE_SHARE, CostPolicy, DsdePolicy, dsde_length
+from .cost import CostPolicy, DsdePolicy, dsde_length
 from .rules import BatchTablePolicy, EmaPolicy, FixedPolicy, GammaTunePolicy
 
 __all__ = [
-    "EXPLORE_EVERY",
-    "EXPLORE_SHARE",
     "POLICIES",
     "BatchTablePolicy",
     "Candidate",

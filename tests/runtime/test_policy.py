@@ -26,14 +26,13 @@ from specrun.runtime.acceptance import (
 )
 from specrun.runtime.config import POLICY_NAMES, EngineConfig, SamplingParams
 from specrun.runtime.policies import (
-    EXPLORE_EVERY,
-    EXPLORE_SHARE,
     POLICIES,
     CostPolicy,
     dsde_length,
     make_policy,
     tree_ladder,
 )
+from specrun.runtime.policies.cost import EXPLORE_EVERY, EXPLORE_SHARE
 from specrun.runtime.round import acceptance_signals
 from specrun.runtime.round_plan import RoundPlanner, RoundVariant
 from specrun.runtime.tree import TreeShape
