@@ -167,17 +167,15 @@ def chain_acceptance(level: float, width: float) -> float:
 def chain_length(alpha: float) -> float:
     """Expected accepted drafts of a one-wide chain of CHAIN_DEPTH levels: the scale the
     estimator blends in (module docstring)."""
-    return sum(alpha**d for d in range(1, CHAIN_DEPTH + 1))
+    length = 0.0
+    for _ in range(CHAIN_DEPTH):
+        length = (length + 1.0) * alpha
+    return length
 
 
 def alpha_of_chain(length: float) -> float:
     """Inverse of `chain_length`."""
     return _level_for(length, CHAIN_DEPTH)
-
-
-def _blend_alpha(old: float, new: float, rate: float) -> float:
-    """`old` moved `rate` of the way to `new`, in chain-length space."""
-    return alpha_of_chain(_blend(chain_length(old), chain_length(new), rate))
 
 
 @dataclass(frozen=True)
@@ -316,13 +314,21 @@ class AcceptanceEstimate:
 @dataclass
 class AcceptanceBook:
     """The estimates of the requests decoding, and per kind of request (greedy or sampling,
-    say) the running mean alpha that new requests of that kind start from and the typical
-    alphas of its last finished requests (`spread`)."""
+    say) the running mean that new requests of that kind start from and the typical alphas
+    of its last finished requests (`spread`).
 
-    priors: dict[Hashable, float] = field(default_factory=dict)
+    prior_lengths: each kind's running mean, kept as the chain length (`chain_length`) it is
+        blended in, so a round's observations cost no inversion; `prior` inverts it once per
+        change.
+    """
+
+    prior_lengths: dict[Hashable, float] = field(default_factory=dict)
     estimates: dict[Hashable, AcceptanceEstimate] = field(default_factory=dict)
     num_observed: dict[Hashable, int] = field(default_factory=dict)
     spread: dict[Hashable, deque[float]] = field(default_factory=dict)
+    # Each kind's running mean alpha, kept until its length changes (`prior` is asked for
+    # every live request before every round).
+    _prior_alphas: dict[Hashable, float] = field(default_factory=dict, repr=False)
     # Each kind's spread sorted, kept until the kind's next finished request (slowest_of is
     # asked for every live request before every round).
     _sorted_spread: dict[Hashable, list[float]] = field(default_factory=dict, repr=False)
@@ -333,12 +339,34 @@ class AcceptanceBook:
         as MEASURED_ROUNDS rounds of each kind); an empty one for None."""
         if measured is None:
             return cls()
-        priors = measured.priors()
-        return cls(priors=priors, num_observed=dict.fromkeys(priors, MEASURED_ROUNDS))
+        return cls.with_priors(measured.priors(), num_observed=MEASURED_ROUNDS)
+
+    @classmethod
+    def with_priors(cls, priors: dict[Hashable, float], *, num_observed: int) -> AcceptanceBook:
+        """A book whose running mean alphas start at `priors` (kind -> alpha), each counted
+        as `num_observed` rounds."""
+        return cls(
+            prior_lengths={kind: chain_length(alpha) for kind, alpha in priors.items()},
+            num_observed=dict.fromkeys(priors, num_observed),
+        )
+
+    @property
+    def priors(self) -> dict[Hashable, float]:
+        """The running mean alpha of each kind of request observed (or measured)."""
+        return {kind: self.prior(kind) for kind in self.prior_lengths}
 
     def prior(self, kind: Hashable = None) -> float:
         """The running mean alpha of the requests of `kind` (PRIOR_ALPHA before any)."""
-        return self.priors.get(kind, PRIOR_ALPHA)
+        alpha = self._prior_alphas.get(kind)
+        if alpha is None:
+            length = self.prior_lengths.get(kind)
+            alpha = PRIOR_ALPHA if length is None else alpha_of_chain(length)
+            self._prior_alphas[kind] = alpha
+        return alpha
+
+    def _prior_length(self, kind: Hashable) -> float:
+        length = self.prior_lengths.get(kind)
+        return chain_length(PRIOR_ALPHA) if length is None else length
 
     def get(self, request: Hashable, kind: Hashable = None) -> AcceptanceEstimate:
         """The request's estimate (a new one starts at the prior of its `kind`)."""
@@ -355,23 +383,27 @@ class AcceptanceBook:
         num_accepted: int,
         signals: tuple[float, float] = (0.0, 0.0),
     ) -> None:
-        estimate = self.get(request)
+        # Not `get`: the estimate's `prior` is refreshed where plans read it, not per report.
+        estimate = self.estimates.get(request) or self.get(request)
         launched_in_step = estimate.in_step or estimate.num_in_step_in_flight > 0
         estimate.num_in_step_in_flight = max(estimate.num_in_step_in_flight - 1, 0)
         if not launched_in_step:
             return
         estimate.observe(tree, num_accepted, signals)
-        prior = self.prior(estimate.kind)
+        kind = estimate.kind
         if tree is None:
-            length = _blend(chain_length(estimate.alpha), chain_length(prior), STALE_RATE)
+            length = _blend(chain_length(estimate.alpha), self._prior_length(kind), STALE_RATE)
             if estimate.num_speculative_rounds >= SPREAD_ROUNDS:
                 length = _blend(length, estimate.typical_length, RECOVERY_RATE)
             estimate.alpha = alpha_of_chain(length)
         else:
-            seen = self.num_observed.get(estimate.kind, 0)
-            self.num_observed[estimate.kind] = seen + 1
+            seen = self.num_observed.get(kind, 0)
+            self.num_observed[kind] = seen + 1
             rate = max(PRIOR_RATE, 1.0 / (seen + 2))
-            self.priors[estimate.kind] = _blend_alpha(prior, estimate.alpha, rate)
+            self.prior_lengths[kind] = _blend(
+                self._prior_length(kind), chain_length(estimate.alpha), rate
+            )
+            self._prior_alphas.pop(kind, None)
 
     def forget(self, request: Hashable) -> None:
         """Drop a finished request's estimate; one that ran SPREAD_ROUNDS speculative rounds

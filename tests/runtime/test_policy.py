@@ -356,7 +356,7 @@ def test_cost_explores_new_requests_of_a_hopeless_kind_less_while_none_pays():
     the next new request only at that shrunken rate."""
 
     def explored_requests(num_accepted: int) -> int:
-        book = AcceptanceBook(priors={False: 0.02}, num_observed={False: 10**6})
+        book = AcceptanceBook.with_priors({False: 0.02}, num_observed=10**6)
         policy, costs, num_explored = CostPolicy(), _costs(GPU_COSTS), 0
         for request in range(60):
             for _ in range(100):  # each request: 100 rounds, one at a time
@@ -388,7 +388,7 @@ def test_exploring_rounds_read_after_the_draft_was_left_behind_still_count():
         for variant in planner.candidates(1, params):
             for _ in range(2):  # the first run is not counted
                 planner.costs.observe(1, variant.cost_key, GPU_COSTS[variant.tree])
-        book = AcceptanceBook(priors={True: 0.02}, num_observed={True: 10**6})
+        book = AcceptanceBook.with_priors({True: 0.02}, num_observed=10**6)
         explored, in_flight = set(), deque()
         for request in range(60):
             for round_index in range(100):
@@ -420,7 +420,7 @@ def test_cost_prefills_new_requests_of_a_kind_that_never_pays_without_the_head()
         for variant in planner.candidates(1, params):
             for _ in range(2):  # the first run is not counted
                 planner.costs.observe(1, variant.cost_key, GPU_COSTS[variant.tree])
-        book = AcceptanceBook(priors={True: 0.02}, num_observed={True: 10**6})
+        book = AcceptanceBook.with_priors({True: 0.02}, num_observed=10**6)
         num_drafted = 0
         for request in range(60):
             estimate = book.get(request, kind=True)
