@@ -85,6 +85,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="every request's seed (default: none, fresh draws; a seeded sampling request "
         "never drafts a stochastic tree, so it measures the top-k tree's acceptance)",
     )  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="decode the prompts this many times at every point, plain decoding's included, "
+        "and report the totals (a point that decodes for a second or two varies by 1-2%% "
+        "from run to run)",
+    )  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--plot", default=None, help="also draw the results into this PNG")
@@ -114,6 +120,8 @@ def parse_tree_shape(text: str) -> TreeShape:
 
 def run(args: argparse.Namespace) -> int:
     shapes = _tree_shapes(args)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if args.plot:
         check_plotting()
     records = read_prompt_records(args.prompts)[: args.max_prompts]
@@ -141,9 +149,11 @@ def run(args: argparse.Namespace) -> int:
         text = args.cost_profile.read_text()
         profile = cost_profile.CostProfile.from_json(text, path=args.cost_profile)
     plain = Engine(model, tokenizer, config)
-    baselines = {
-        (t, b): measure(plain, prompts, _params(args, t), b, profile=profile)[0] for t, b in points
-    }
+    baselines = {}
+    for t, b in points:
+        baselines[t, b], _ = measure(
+            plain, prompts, _params(args, t), b, profile=profile, repeats=args.repeats
+        )
     plain.close()
     records = []
     sides = [(shape, "fixed") for shape in shapes] + [(shapes[0], name) for name in args.policy]
@@ -153,7 +163,12 @@ def run(args: argparse.Namespace) -> int:
         spec = Engine(model, tokenizer, side_config, head=head, acceptance=loaded.acceptance)
         for temperature, batch_size in points:
             spec_stats, per_request = measure(
-                spec, prompts, _params(args, temperature), batch_size, profile=profile
+                spec,
+                prompts,
+                _params(args, temperature),
+                batch_size,
+                profile=profile,
+                repeats=args.repeats,
             )
             record = point_record(
                 side_config.tree_for(batch_size),
@@ -163,12 +178,20 @@ def run(args: argparse.Namespace) -> int:
                 max(len(prompts), batch_size),
                 policy=policy,
             )
-            by_category = category_fields(filled(categories, batch_size), per_request)
-            # Each request's (rounds, accepted drafts), in the order of filled(prompts, ...):
+            repeated = filled(categories, batch_size) * args.repeats
+            by_category = category_fields(repeated, per_request)
+            # Each request's (rounds, accepted drafts), in the order of filled(prompts, ...)
+            # repeated:
             # what a live run and a replay of it (--cost-profile) compare request by request.
             requests = [[r.num_rounds, r.num_accepted] for r in per_request]
             records.append(
-                {**record, "batch_size": batch_size, **by_category, "requests": requests}
+                {
+                    **record,
+                    "batch_size": batch_size,
+                    "repeats": args.repeats,
+                    **by_category,
+                    "requests": requests,
+                }
             )
         spec.close()
     lines = [json.dumps(record) for record in records]
@@ -215,13 +238,15 @@ def measure(
     batch_size: int = 1,
     *,
     profile: cost_profile.CostProfile | None = None,
+    repeats: int = 1,
 ) -> tuple[EngineStats, list[RequestStats]]:
     """Decode the prompts `batch_size` at a time (repeated to fill one batch if there are
-    fewer: `filled`); returns the statistics of those requests only, and each request's own
-    in the order of `filled(prompts, batch_size)`. The graphs (the rounds', and on CUDA the
-    prefills' of every prompt length) are prepared and one untimed request is made first, so
-    lazy initialisation is not charged to it. With a `profile` (of another device), the
-    policy decides from its costs and the rounds are charged them (`charged`)."""
+    fewer: `filled`), all of them `repeats` times; returns the statistics of those requests
+    only, and each request's own in the order of `filled(prompts, batch_size) * repeats`.
+    The graphs (the rounds', and on CUDA the prefills' of every prompt length) are prepared
+    and one untimed request is made first, so lazy initialisation is not charged to it. With
+    a `profile` (of another device), the policy decides from its costs and the rounds are
+    charged them (`charged`)."""
     if profile is not None:
         engine.replay_cost_profile(profile, [params])
     prompt_lengths = [len(engine.encode_prompt(prompt)) for prompt in prompts]
@@ -235,7 +260,7 @@ def measure(
     batches = [repeated[i : i + batch_size] for i in range(0, len(repeated), batch_size)]
     desc = f"{side} T={params.temperature:g} B={batch_size}"
     per_request = []
-    for batch in tqdm(batches, desc=desc, unit="batch"):
+    for batch in tqdm(batches * repeats, desc=desc, unit="batch"):
         per_request += [output.stats for output in engine.generate(batch, params)]
     stats = _since(before, engine.stats())
     return (stats if profile is None else charged(stats, profile)), per_request

