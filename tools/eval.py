@@ -178,10 +178,9 @@ def run(args: argparse.Namespace) -> int:
                 max(len(prompts), batch_size),
                 policy=policy,
             )
-            repeated = filled(categories, batch_size) * args.repeats
-            by_category = category_fields(repeated, per_request)
-            # Each request's (rounds, accepted drafts), in the order of filled(prompts, ...)
-            # repeated:
+            request_categories = filled(categories, batch_size) * args.repeats
+            by_category = category_fields(request_categories, per_request)
+            # Each request's (rounds, accepted drafts), in the order `measure` returns them:
             # what a live run and a replay of it (--cost-profile) compare request by request.
             requests = [[r.num_rounds, r.num_accepted] for r in per_request]
             records.append(
