@@ -54,7 +54,7 @@ def sweep_configs(num_rows: int) -> list:
 
     use_dot = num_rows > 1
     if use_dot:
-        grid = itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 5))
+        grid = itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5))
     else:
         grid = itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8), (1, 3))
     return [

@@ -1,7 +1,7 @@
 """`rt::skinny_mm`: x @ w.T for a few rows of x, the decode step's matrix products, in Triton.
 
 A decode step multiplies a handful of activation rows (one per slot, or per tree node) by every
-weight matrix of the model: [M, K] @ [N, K]^T with M <= 16 and N * K in the millions. That is a
+weight matrix of the model: [M, K] @ [N, K]^T with M <= 64 and N * K in the millions. That is a
 stream of the weights through the GPU with almost no arithmetic, and its speed is the read
 bandwidth it reaches. cuBLAS picks GEMM tilings made for large M; at batch 1 a Llama-3.1-8B
 step read its weights at about 2.5 TB/s on an H100 that copies at about 3.0. Here a program
@@ -10,7 +10,8 @@ programs and loads in flight to keep the memory system busy:
 
 - one row of x (`M == 1`): the products are accumulated elementwise in a [block_n, block_k]
   float32 tile and reduced once at the end (no tensor cores: there is one row to multiply);
-- 2-16 rows: `tl.dot` on x padded to 16 rows, w's tile transposed in shared memory.
+- 2-64 rows (a batch's slots, a tree's nodes in verification): `tl.dot` on x padded to 16,
+  32 or 64 rows, w's tile transposed in shared memory.
 
 Splitting K across programs (float32 partial sums added by a second kernel) never won on
 Llama-3.1-8B's shapes, whose N already gives every multiprocessor programs, so there is none.
@@ -30,7 +31,7 @@ import torch
 
 from ._triton import rt_op, uses_triton
 
-MAX_ROWS = 16
+MAX_ROWS = 64
 DTYPES = (torch.float16, torch.bfloat16)
 _MAX_OFFSET = 2**31 - 1  # the kernel addresses its operands with 32-bit element offsets
 

@@ -16,13 +16,15 @@ import triton.language as tl
 from ._triton import wrap
 
 _DOT_ROWS = 16  # tl.dot's smallest M
+# Shared memory the pipelined x and w tiles may take (of the H100's 227 KB a block).
+_STAGE_BUDGET_BYTES = 200 * 1024
 
 
 @dataclass(frozen=True)
 class SkinnyMMConfig:
     """One tiling: each program streams `block_n` rows of w, `block_k` columns per step.
-    `use_dot` multiplies on the tensor cores (x padded to 16 rows); without it, only one row
-    of x is allowed."""
+    `use_dot` multiplies on the tensor cores (x padded to 16, 32 or 64 rows); without it, only
+    one row of x is allowed."""
 
     block_n: int
     block_k: int
@@ -108,7 +110,7 @@ def launch_skinny_mm(
         w.stride(0),
         w.stride(1),
         out.stride(0),
-        BLOCK_M=_DOT_ROWS if config.use_dot else 1,
+        BLOCK_M=dot_rows(num_rows) if config.use_dot else 1,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
@@ -118,14 +120,36 @@ def launch_skinny_mm(
     return out
 
 
+def dot_rows(num_rows: int) -> int:
+    """The rows of x a tensor-core tile holds for `num_rows` rows: 16, 32 or 64."""
+    return max(_DOT_ROWS, 1 << (num_rows - 1).bit_length())
+
+
 def skinny_mm_config(num_rows: int, n: int, k: int) -> SkinnyMMConfig:
     """The tiling for x [num_rows, k] @ w [n, k]^T, fitted to `specrun bench skinny-mm --sweep`
-    on an H100 (BENCHMARKS.md) with Llama-3.1-8B's weights: one row takes 8 rows of w per
-    program, 512 columns a step, elementwise; more rows take tensor-core tiles of 256 columns
-    and 64 rows of w where N >= 6144 (16 below: N = 4096 then still has 256 programs).
-    Every tiling reached 94% or more of the best of its sweep there."""
+    on an H100 (BENCHMARKS.md). One row takes 8 rows of w per program, 512 columns a step,
+    elementwise. 2-16 rows (fitted to Llama-3.1-8B's weights) take tensor-core tiles of 256
+    columns and 64 rows of w where N >= 6144 (16 below: N = 4096 then still has 256
+    programs). 17-64 rows (a tree's verification, a large bucket; fitted to SmolLM2-135M's
+    and the 8B's weights) re-read x in every program, so programs take wider slices of w
+    once N leaves enough of them (32 rows of w from N = 3072, 64 from 6144) and shorter
+    steps where K is short (128 columns; 64 for a vocabulary-sized N). Pipeline stages are
+    as many as fit _STAGE_BUDGET_BYTES of shared memory, up to the fitted maximum."""
     if num_rows == 1:
         return SkinnyMMConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
+    if num_rows <= _DOT_ROWS:
+        block_n, block_k, max_stages = (64 if n >= 6144 else 16), 256, 5
+    elif k >= 1536:
+        block_n, block_k, max_stages = (64 if n >= 6144 else 32 if n >= 3072 else 16), 256, 4
+    elif n >= 6144:  # a small model's vocabulary: many programs, each re-reading all of x
+        block_n, block_k, max_stages = 64, 64, 3
+    else:
+        block_n, block_k, max_stages = (32 if n >= 3072 else 16), 128, 4
+    stage_bytes = (dot_rows(num_rows) + block_n) * block_k * 2
     return SkinnyMMConfig(
-        block_n=64 if n >= 6144 else 16, block_k=256, num_warps=4, num_stages=5, use_dot=True
+        block_n=block_n,
+        block_k=block_k,
+        num_warps=4,
+        num_stages=min(max_stages, _STAGE_BUDGET_BYTES // stage_bytes),
+        use_dot=True,
     )

@@ -83,6 +83,20 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.rt.skinny_mm.default, (x, w))
 
 
+@pytest.mark.parametrize("num_rows", [1, 2, 16, 17, 33, MAX_ROWS])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (3072, 576), (49152, 576), (4096, 14336)])
+def test_every_fitted_tiling_pipelines_within_shared_memory(num_rows, n, k):
+    pytest.importorskip("triton")
+    from specrun.runtime.kernels import skinny_mm_triton as kernel
+
+    config = kernel.skinny_mm_config(num_rows, n, k)
+    rows = kernel.dot_rows(num_rows) if config.use_dot else 1
+    stage_bytes = (rows + config.block_n) * config.block_k * 2
+    assert config.use_dot == (num_rows > 1)
+    assert 2 <= config.num_stages and config.num_stages * stage_bytes <= 227 * 1024
+    assert config.block_k <= k and rows >= num_rows
+
+
 def test_triton_kernel_under_interpreter():
     assert_script_passes_under_interpreter(__file__)
 
@@ -94,6 +108,8 @@ INTERPRET_CASES = (
     (3, 40, 70, 16, 32, True),
     (16, 33, 128, 16, 32, True),
     (5, 64, 96, 32, 32, True),
+    (17, 48, 64, 16, 32, True),
+    (40, 24, 96, 16, 32, True),
 )
 
 
@@ -119,6 +135,8 @@ GPU_SHAPES = [
     pytest.param(6144, 4096, id="8b-qkv"),
     pytest.param(4096, 14336, id="8b-down"),
     pytest.param(960, 576, id="smollm2-qkv"),
+    pytest.param(3072, 576, id="smollm2-gate-up"),
+    pytest.param(6200, 600, id="vocabulary-like"),
     pytest.param(77, 300, id="ragged"),
     pytest.param(1, 64, id="one-column"),
 ]
@@ -127,7 +145,7 @@ GPU_SHAPES = [
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_rows", [1, 2, 7, MAX_ROWS])
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 16, 17, 40, MAX_ROWS])
 @pytest.mark.parametrize(("n", "k"), GPU_SHAPES)
 def test_gpu_kernel_matches_reference(n, k, num_rows, dtype):
     x, w = make_operands(num_rows, n, k, dtype=dtype, seed=n + k, device="cuda")
