@@ -139,12 +139,14 @@ def skinny_mm_config(num_rows: int, n: int, k: int) -> SkinnyMMConfig:
         return SkinnyMMConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
     if num_rows <= _DOT_ROWS:
         block_n, block_k, max_stages = (64 if n >= 6144 else 16), 256, 5
-    elif k >= 1536:
-        block_n, block_k, max_stages = (64 if n >= 6144 else 32 if n >= 3072 else 16), 256, 4
-    elif n >= 6144:  # a small model's vocabulary: many programs, each re-reading all of x
-        block_n, block_k, max_stages = 64, 64, 3
     else:
-        block_n, block_k, max_stages = (32 if n >= 3072 else 16), 128, 4
+        block_n = 64 if n >= 6144 else 32 if n >= 3072 else 16
+        if k >= 1536:
+            block_k, max_stages = 256, 4
+        elif n >= 6144:  # a small model's vocabulary: many programs, each re-reading all of x
+            block_k, max_stages = 64, 3
+        else:
+            block_k, max_stages = 128, 4
     stage_bytes = (dot_rows(num_rows) + block_n) * block_k * 2
     return SkinnyMMConfig(
         block_n=block_n,
