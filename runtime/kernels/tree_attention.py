@@ -4,7 +4,8 @@ The op computes what `models/attention.py` writes with a dense mask and SDPA, wi
 building the [M, S + N] mask or repeating K/V for GQA:
 
 - prefix part: the slot's committed cache, positions [0, cache_len), no mask but the length,
-  split over the sequence (flash-decoding split-K) so that small batches still fill the GPU;
+  split over the sequence (flash-decoding split-K) so that small batches still fill the GPU,
+  each split taking an equal share of the committed length (not of the cache size);
 - tree part: the N tree keys, filtered per query by the int64 ancestor bitmask `anc`;
 - the parts are merged by log-sum-exp: with one split a program runs one online softmax over
   prefix then tree; with several, the tree keys get a split of their own and a combine kernel
@@ -13,7 +14,8 @@ building the [M, S + N] mask or repeating K/V for GQA:
 All Hq / Hkv query heads of a KV head are processed together: the "rows" of a tile are
 (group head, tree query) pairs, so every K/V tile is loaded once per KV head. The launch grid
 depends only on static shapes (never on `cache_len` values), which keeps the op CUDA-graph safe:
-splits past a slot's length run an empty loop and contribute an empty (-inf) partial.
+a split whose share is empty (a prefix shorter than the splits' key blocks) runs an empty loop
+and contributes an empty (-inf) partial.
 
 `tree_attention_ref` is the same function in plain PyTorch, written as an explicit two-part
 softmax with an LSE merge; it is the CPU implementation of the op and the oracle in tests.

@@ -19,15 +19,14 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 # Below one program per multiprocessor, the prefix is split until there are about this many.
 _TARGET_PROGRAMS_PER_SM = 2
-# A split reads at least this many key blocks, so its partial write stays small next to it.
+# A split of a full cache reads at least this many key blocks, so its partial write stays small
+# next to it.
 _MIN_BLOCKS_PER_SPLIT = 4
 # Prefix splits + the tree split stay <= 64: the combine kernel loads them all at once.
 _MAX_SPLITS = 63
 _BITS_PER_WORD = 64
-# A dynamic call's rows per KV head are assumed many (a prefill), and its one split must cover
-# any prefix; int32 in the kernel.
+# A dynamic call's rows per KV head are assumed many (a prefill).
 _DYNAMIC_NUM_ROWS = 64
-_WHOLE_PREFIX = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -35,14 +34,14 @@ class LaunchConfig:
     """Tile sizes and split-K layout of one `rt::tree_attention` launch.
 
     block_r: rows (group heads x tree queries) per program; block_n: keys per inner step;
-    num_splits / split_len: the prefix [0, S) is cut into num_splits ranges of split_len keys
-    (past one, the launch adds a split for the tree keys and a combine kernel).
+    num_splits: how many ranges each slot's committed prefix [0, cache_len) is cut into,
+    in equal shares of whole key blocks (past one, the launch adds a split for the tree keys
+    and a combine kernel).
     """
 
     block_r: int
     block_n: int
     num_splits: int
-    split_len: int
     num_warps: int
     num_stages: int
 
@@ -51,11 +50,8 @@ class LaunchConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
-        if self.num_splits < 1 or self.split_len < 1 or self.split_len % self.block_n:
-            raise ValueError(
-                f"num_splits={self.num_splits} must be >= 1 and split_len={self.split_len} "
-                f"a positive multiple of block_n={self.block_n}"
-            )
+        if not 1 <= self.num_splits <= _MAX_SPLITS:
+            raise ValueError(f"num_splits={self.num_splits} must be in [1, {_MAX_SPLITS}]")
 
 
 # triton.cdiv and triton.next_power_of_2 on host ints, written out so that the config (and the
@@ -93,19 +89,16 @@ def _tile_shape(num_rows: int, head_dim: int) -> tuple[int, int, int]:
     return block_r, 64 if block_r <= 32 else 32, 4
 
 
-def split_layout(
-    *, num_programs: int, cache_size: int, block_n: int, num_sms: int
-) -> tuple[int, int]:
-    """(num_splits, split_len) for a prefix of `cache_size` keys and `num_programs` programs
-    per split: no split once the programs cover the multiprocessors (a combine pass costs
-    more than it gains), else about _TARGET_PROGRAMS_PER_SM programs per multiprocessor."""
+def num_prefix_splits(*, num_programs: int, cache_size: int, block_n: int, num_sms: int) -> int:
+    """How many ranges the prefix is split into for `num_programs` programs per split and a
+    cache of `cache_size` keys: none once the programs cover the multiprocessors (a combine
+    pass costs more than it gains), else about _TARGET_PROGRAMS_PER_SM programs per
+    multiprocessor."""
     num_blocks = max(1, _cdiv(cache_size, block_n))
     wanted = 1
     if num_programs < num_sms:
         wanted = _cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, num_programs)
-    num_splits = max(1, min(wanted, num_blocks // _MIN_BLOCKS_PER_SPLIT, _MAX_SPLITS))
-    split_len = _cdiv(num_blocks, num_splits) * block_n
-    return _cdiv(num_blocks * block_n, split_len), split_len
+    return max(1, min(wanted, num_blocks // _MIN_BLOCKS_PER_SPLIT, _MAX_SPLITS))
 
 
 def launch_config(
@@ -134,7 +127,7 @@ def launch_config(
         return _fixed_launch_config(head_dim)
     block_r, block_n, num_warps = _tile_shape(num_rows, head_dim)
     num_programs = batch * num_kv_heads * _cdiv(num_rows, block_r)
-    num_splits, split_len = split_layout(
+    num_splits = num_prefix_splits(
         num_programs=num_programs, cache_size=cache_size, block_n=block_n, num_sms=num_sms
     )
     # A third stage pays on long per-program loops, not on short split ranges of few rows.
@@ -143,7 +136,6 @@ def launch_config(
         block_r=block_r,
         block_n=block_n,
         num_splits=num_splits,
-        split_len=split_len,
         num_warps=num_warps,
         num_stages=3 if long_loop and head_dim <= 128 else 2,
     )
@@ -155,7 +147,6 @@ def _fixed_launch_config(head_dim: int) -> LaunchConfig:
         block_r=block_r,
         block_n=block_n,
         num_splits=1,
-        split_len=_WHOLE_PREFIX,
         num_warps=num_warps,
         num_stages=3 if head_dim <= 128 else 2,
     )

@@ -73,16 +73,18 @@ def _tree_attention_kernel(
     skt_b, skt_h, skt_n, skt_d,
     svt_b, svt_h, svt_n, svt_d,
     sa_b, sa_m, sa_w,
-    num_kv_heads, num_queries, num_tree, cache_size, split_len, num_splits, qk_scale,
+    num_kv_heads, num_queries, num_tree, cache_size, num_splits, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr, PEEL_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, split, slot * kv head).
 
     With one split, a program attends to the whole prefix and then the tree keys and writes
-    the output. Otherwise splits 0 .. num_splits - 2 each take one prefix range and the last
-    split takes the tree keys alone (its latency overlaps the prefix instead of adding to it);
-    each writes a normalised partial output and its base-2 LSE for the combine kernel.
+    the output. Otherwise splits 0 .. num_splits - 2 share the slot's committed prefix in
+    equal ranges of whole key blocks (cut from its length, not from the cache size, so a short
+    prefix is spread over every split rather than left to the first few) and the last split
+    takes the tree keys alone (its latency overlaps the prefix instead of adding to it); each
+    writes a normalised partial output and its base-2 LSE for the combine kernel.
     PEEL_TAIL runs full prefix blocks unmasked and masks only the last one: it pays where the
     tensor cores bind (many rows) and costs occupancy where bandwidth binds (few rows)."""
     row_block = tl.program_id(0)
@@ -109,11 +111,13 @@ def _tree_attention_kernel(
 
     kc_base = kc_ptr + b * skc_b + kv_head * skc_h + dims[None, :] * skc_d
     vc_base = vc_ptr + b * svc_b + kv_head * svc_h + dims[None, :] * svc_d
-    length = tl.minimum(tl.load(cache_len_ptr + b).to(tl.int32), cache_size)
+    lo = 0
+    hi = tl.minimum(tl.load(cache_len_ptr + b).to(tl.int32), cache_size)
     if WRITE_PARTIALS:
-        length = tl.where(split == num_splits - 1, 0, length)
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, length)
+        prefix = tl.where(split == num_splits - 1, 0, hi)  # the tree split reads no prefix
+        split_len = tl.cdiv(tl.cdiv(prefix, num_splits - 1), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, prefix)
     if PEEL_TAIL:
         full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         for start in range(lo, full_end, BLOCK_N):
@@ -230,7 +234,7 @@ def launch_tree_attention(
         out, part_out, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         *k_tree.stride(), *v_tree.stride(), *anc.stride(),
-        num_kv_heads, num_queries, k_tree.shape[2], cache_size, config.split_len, num_splits,
+        num_kv_heads, num_queries, k_tree.shape[2], cache_size, num_splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_R=config.block_r, BLOCK_N=config.block_n,
         WRITE_PARTIALS=num_splits > 1, PEEL_TAIL=config.block_r >= 64,

@@ -93,7 +93,7 @@ def test_every_fitted_tiling_pipelines_within_shared_memory(num_rows, n, k):
     rows = kernel.dot_rows(num_rows) if config.use_dot else 1
     stage_bytes = (rows + config.block_n) * config.block_k * 2
     assert config.use_dot == (num_rows > 1)
-    assert 2 <= config.num_stages and config.num_stages * stage_bytes <= 227 * 1024
+    assert config.num_stages >= 2 and config.num_stages * stage_bytes <= 227 * 1024
     assert config.block_k <= k and rows >= num_rows
 
 

@@ -206,7 +206,7 @@ def test_symbolic_shapes_get_one_config_without_guards():
         batch=batch, num_kv_heads=8, num_rows=4 * length, cache_size=1, head_dim=128, num_sms=132
     )
     assert not shape_env.guards
-    assert config.num_splits == 1 and config.split_len >= 1 << 30
+    assert config.num_splits == 1
     concrete = launch_config(
         batch=3, num_kv_heads=8, num_rows=4 * 5, cache_size=1, head_dim=128, num_sms=132
     )
@@ -243,13 +243,15 @@ def test_triton_kernel_under_interpreter():
 
 
 INTERPRET_CASES = (
-    # (case, cache_len, block_r, block_n, num_splits, split_len)
-    (Case(2, 4, 2, 3, 5, 37, 16), [37, 0], 16, 16, 1, 48),
-    (Case(2, 4, 1, 5, 70, 50, 32), [13, 50], 32, 16, 3, 32),
-    (Case(1, 2, 2, 1, 1, 20, 16), [20], 16, 16, 2, 16),
-    (Case(1, 8, 2, 9, 9, 40, 16), [33], 16, 16, 2, 32),
-    (Case(2, 8, 1, 9, 9, 70, 16), [70, 37], 64, 16, 3, 32),  # 64-row blocks: peeled tail
-    (Case(2, 4, 2, 33, 33, 70, 16), [70, 5], 64, 32, 1, 1 << 30),  # the dynamic-shape config
+    # (case, cache_len, block_r, block_n, num_prefix_splits)
+    (Case(2, 4, 2, 3, 5, 37, 16), [37, 0], 16, 16, 1),
+    (Case(2, 4, 1, 5, 70, 50, 32), [13, 50], 32, 16, 3),
+    (Case(1, 2, 2, 1, 1, 20, 16), [20], 16, 16, 2),
+    (Case(1, 8, 2, 9, 9, 40, 16), [33], 16, 16, 2),
+    (Case(2, 8, 1, 9, 9, 70, 16), [70, 37], 64, 16, 3),  # 64-row blocks: peeled tail
+    (Case(2, 4, 2, 33, 33, 70, 16), [70, 5], 64, 32, 1),  # the dynamic-shape config
+    # More splits than a short prefix has blocks: the trailing ones read nothing.
+    (Case(3, 4, 2, 3, 7, 90, 16), [90, 17, 1], 16, 16, 7),
 )
 
 
@@ -258,10 +260,10 @@ def _interpret_main() -> int:
     from specrun.runtime.kernels.tree_attention_triton import launch_tree_attention
 
     failures = 0
-    for i, (case, lens, block_r, block_n, num_splits, split_len) in enumerate(INTERPRET_CASES):
+    for i, (case, lens, block_r, block_n, num_splits) in enumerate(INTERPRET_CASES):
         gen = torch.Generator().manual_seed(i)
         inputs = make_inputs(case, dtype=torch.float32, cache_len=lens, generator=gen)
-        config = LaunchConfig(block_r, block_n, num_splits, split_len, num_warps=4, num_stages=1)
+        config = LaunchConfig(block_r, block_n, num_splits, num_warps=4, num_stages=1)
         out = launch_tree_attention(**inputs, config=config)
         err = relative_error(out, _model_ref(inputs))
         ok = err < 1e-5
@@ -310,8 +312,7 @@ def test_gpu_layer_buffer_slice_and_forced_splits(num_splits):
     inputs = make_inputs(case, dtype=torch.bfloat16, device="cuda", cache_len=[1500, 0, 701],
                          layer_buffer=True)  # fmt: skip
     assert not inputs["k_cache"].is_contiguous()
-    split_len = -(-case.cache_size // num_splits // 64) * 64
-    config = LaunchConfig(16, 64, -(-case.cache_size // split_len), split_len, 4, 3)
+    config = LaunchConfig(16, 64, num_splits, 4, 3)
     out = launch_tree_attention(**inputs, config=config)
     assert relative_error(out, _model_ref(inputs)) < 1e-2
 
