@@ -211,8 +211,7 @@ class MeasuredAcceptance:
 @dataclass
 class AcceptanceEstimate:
     """One request's acceptance: its chain acceptance `alpha`, and the history the simpler
-    policies read (the last round's accepted tokens and depth, a moving average of accepted
-    tokens per speculative round).
+    policies read (the last round's accepted tokens and depth).
 
     alpha: starts at the running mean of the engine's requests of its kind
         (`AcceptanceBook.prior`).
@@ -248,7 +247,6 @@ class AcceptanceEstimate:
     rounds_since_speculation: int = 0
     last_accepted: int = 0
     last_depth: int = 0
-    mean_accepted: float = 0.0
     remaining: int | None = None
     slowest: float | None = None
     typical_length: float = 0.0
@@ -270,7 +268,6 @@ class AcceptanceEstimate:
         self.last_accepted, self.last_depth = num_accepted, tree.depth
         rate = 1.0 if self.num_speculative_rounds == 1 else ALPHA_RATE
         confidence, divergence = signals
-        self.mean_accepted = _blend(self.mean_accepted, num_accepted, rate)
         self.confidence = _blend(self.confidence, confidence, rate)
         self.divergence = _blend(self.divergence, divergence, rate)
         self.divergence_square = _blend(self.divergence_square, divergence**2, rate)

@@ -15,6 +15,7 @@ from ..tree import TreeShape
 from .base import Candidate, Policy, nearest_depth, plain_or_first, speculative_candidates
 
 HYSTERESIS = 0.05
+PLAIN_HYSTERESIS = 0.15
 EXPLORE_EVERY, EXPLORE_SHARE = 16, 0.01
 CALIBRATION_RATE, CALIBRATION_RANGE = 0.1, (0.2, 1.5)
 DSDE_PLAIN_BELOW = 0.5
@@ -104,10 +105,7 @@ class CostPolicy(_ExploringPolicy):
             chosen = self._settle(bucket, candidates, plain, requests, costs, share=share)
             return self._launched(chosen, requests)
         rates = {c: self._rate(bucket, c, requests, costs) for c in candidates}
-        best = max(candidates, key=rates.__getitem__)
-        current = self._current.get(bucket)
-        if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
-            best = current
+        best = _settled_best(rates, self._current.get(bucket))
         share = EXPLORE_SHARE
         if best.tree is None and self._hopeless(bucket, candidates, requests, costs, rates[best]):
             self._judge_trials(bucket, candidates, costs)
@@ -226,6 +224,22 @@ class DsdePolicy(_ExploringPolicy):
         if length < DSDE_PLAIN_BELOW and plain:
             return self._settle(bucket, candidates, plain[0], requests, costs)
         return self._ran(bucket, nearest_depth(speculative, length, above=False))
+
+
+def _settled_best(rates: dict[Candidate, float], current: Candidate | None) -> Candidate:
+    """The candidate of the highest rate, with hysteresis: from a tree, plain decoding must
+    beat the best tree by PLAIN_HYSTERESIS (plain rounds teach the estimates nothing, so a
+    move to it on a dip lasts until they drift back), and any shape must beat the current
+    one by HYSTERESIS."""
+    best = max(rates, key=rates.__getitem__)
+    trees = [c for c in rates if c.tree is not None]
+    if best.tree is None and current is not None and current.tree is not None and trees:
+        best_tree = max(trees, key=rates.__getitem__)
+        if rates[best] <= rates[best_tree] * (1 + PLAIN_HYSTERESIS):
+            best = best_tree
+    if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
+        best = current
+    return best
 
 
 def dsde_length(estimate: AcceptanceEstimate, max_depth: int) -> float:

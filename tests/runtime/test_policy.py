@@ -32,7 +32,12 @@ from specrun.runtime.policies import (
     make_policy,
     tree_ladder,
 )
-from specrun.runtime.policies.cost import EXPLORE_EVERY, EXPLORE_SHARE
+from specrun.runtime.policies.cost import (
+    EXPLORE_EVERY,
+    EXPLORE_SHARE,
+    HYSTERESIS,
+    PLAIN_HYSTERESIS,
+)
 from specrun.runtime.round import acceptance_signals
 from specrun.runtime.round_plan import RoundPlanner, RoundVariant
 from specrun.runtime.tree import TreeShape
@@ -483,6 +488,34 @@ def test_cost_does_not_flap_around_a_threshold():
     ]
     switches = sum(a != b for a, b in itertools.pairwise(chosen))
     assert switches <= 1, [c.tree for c in chosen]
+
+
+def test_cost_leaves_a_tree_for_plain_decoding_only_by_a_wider_margin():
+    """Plain rounds teach the estimates nothing, so a move to plain decoding on a dip stays
+    until drift brings the estimates back: a tree gives way to plain decoding only when plain
+    wins by PLAIN_HYSTERESIS, wider than the HYSTERESIS between two shapes, and plain decoding
+    gives way to a tree at HYSTERESIS."""
+    costs = _costs(GPU_COSTS)
+    deep = LADDER[0]
+
+    def plain_over_best_tree(alpha: float) -> float:
+        rates = {v: (1 + expected_accepted(alpha, v.tree)) / GPU_COSTS[v.tree] for v in LADDER}
+        return rates[PLAIN] / max(rate for v, rate in rates.items() if v != PLAIN)
+
+    def alpha_at(ratio: float) -> float:
+        return min(
+            (a / 1000 for a in range(1, 1000)), key=lambda a: abs(plain_over_best_tree(a) - ratio)
+        )
+
+    assert HYSTERESIS < PLAIN_HYSTERESIS
+    policy = CostPolicy()
+    assert policy.choose(1, LADDER, [_estimate(0.9)], costs) == deep
+    between = alpha_at(1 + (HYSTERESIS + PLAIN_HYSTERESIS) / 2)
+    assert policy.choose(1, LADDER, [_estimate(between)], costs) != PLAIN
+    assert policy.choose(1, LADDER, [_estimate(alpha_at(1 + 2 * PLAIN_HYSTERESIS))], costs) == PLAIN
+    assert policy.choose(1, LADDER, [_estimate(between)], costs) == PLAIN
+    back = alpha_at(1 / (1 + 2 * HYSTERESIS))
+    assert policy.choose(1, LADDER, [_estimate(back)], costs) != PLAIN
 
 
 def test_cost_explores_while_plain_wins():
