@@ -23,11 +23,9 @@ from specrun.runtime.acceptance import (
 )
 from specrun.runtime.policies import tree_ladder
 from specrun.runtime.round import acceptance_signals
-from specrun.runtime.round_plan import RoundVariant
 from specrun.runtime.tree import TreeShape
 
 DEEP = TreeShape(6, 8, 40)
-LADDER = [RoundVariant(tree=tree) for tree in tree_ladder(DEEP)]
 
 
 def test_the_acceptance_model_is_monotone_and_inverts():
@@ -35,7 +33,7 @@ def test_the_acceptance_model_is_monotone_and_inverts():
     to the chain acceptance it came from."""
     assert level_width(DEEP) == 6.5 and level_width(TreeShape(3, 2, 4)) == 1.0
     for alpha in (0.1, 0.5, 0.9):
-        lengths = [expected_accepted(alpha, v.tree) for v in LADDER]
+        lengths = [expected_accepted(alpha, tree) for tree in tree_ladder(DEEP)]
         assert lengths == sorted(lengths, reverse=True) and lengths[-1] == 0.0
         level = 1 - (1 - alpha) ** 3
         assert chain_acceptance(level, 3) == pytest.approx(alpha)
