@@ -46,7 +46,7 @@ from .fx_match import (
 )
 
 # Fused attention ops and the name of their additive-mask argument.
-_FUSED_OPS = {
+FUSED_OPS = {
     op: mask_arg
     for name, mask_arg in (
         ("_scaled_dot_product_flash_attention_for_cpu", "attn_mask"),
@@ -105,12 +105,12 @@ def _consistent(call: SdpaCall) -> bool:
 
 def _match_fused(node: fx.Node) -> SdpaCall | None:
     op = getitem_of(node, 0)
-    if not is_call(op, *_FUSED_OPS):
+    if not is_call(op, *FUSED_OPS):
         return None
     kwargs = kwargs_of(op)
     if kwargs is None or kwargs.get("dropout_p", 0.0) != 0.0 or kwargs.get("is_causal", False):
         return None
-    bias = kwargs.get(_FUSED_OPS[op.target])
+    bias = kwargs.get(FUSED_OPS[op.target])
     if bias is None:
         return None
     query = kwargs["query"]

@@ -48,7 +48,7 @@ from .fx_match import (
     tensor_val,
 )
 from .manager import GraphPass
-from .sdpa import SdpaCall, match_sdpa
+from .sdpa import FUSED_OPS, SdpaCall, match_sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,10 @@ class TreeAttentionFusion(GraphPass):
     """Replace every reference tree attention by `rt::tree_attention`; returns the number
     fused. `num_fused_by_form` counts them by the SDPA lowering they replaced,
     `num_fixed_config` those in graphs with dynamic shapes (given one launch config), and
-    `num_unfused_by_reason` the attention calls left as they were, by why (`unfused_reason`):
-    every attention the models make is a tree attention, so any entry there is a call the
-    Triton op does not get."""
+    `num_unfused_by_reason` the attention calls left as they were, by why (`unfused_reason`;
+    a fused attention op whose arguments `match_sdpa` does not read counts there too): every
+    attention the models make is a tree attention, so any entry there is a call the Triton
+    op does not get."""
 
     name = "tree_attention"
     version = 2
@@ -111,9 +112,21 @@ class TreeAttentionFusion(GraphPass):
             else:
                 self.num_unfused_by_reason[reason] += 1
                 logger.warning("attention %s (%s) left unfused: %s", call.output, call.form, reason)
+        for op in _unrecognised_fused_attention(graph, calls):
+            form = op.target._opname.removeprefix("_scaled_dot_product_")
+            self.num_unfused_by_reason[f"its {form} call is not one match_sdpa reads"] += 1
+            logger.warning("attention %s (%s) left unfused: not recognised", op, form)
         self.num_fused_by_form.update(match.form for match, _ in fused)
         self.num_fixed_config += sum(f for _, f in fused)
         return len(fused)
+
+
+def _unrecognised_fused_attention(graph: fx.Graph, calls: list[SdpaCall]) -> list[fx.Node]:
+    """The fused attention ops of `graph` that no recognised call reads its output from:
+    arguments `match_sdpa` does not take (a causal flag, a missing mask, dropout) or a
+    lowering it does not know, which would otherwise be neither fused nor counted."""
+    recognised = {getitem_of(call.output, 0) for call in calls}
+    return [node for node in graph.nodes if is_call(node, *FUSED_OPS) and node not in recognised]
 
 
 def match_tree_attention(node: fx.Node) -> TreeAttention | None:

@@ -261,7 +261,13 @@ def _causal(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc):
     return F.scaled_dot_product_attention(q, k_tree, v_tree, attn_mask=mask, enable_gqa=True)
 
 
-@pytest.mark.parametrize("attention", [_near_miss, _causal])
+def _causal_flag(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc):
+    """Causal attention by flag over the tree keys: a fused call `match_sdpa` does not read
+    (it takes an explicit mask only), counted all the same."""
+    return F.scaled_dot_product_attention(q[:, : k_tree.shape[1]], k_tree, v_tree, is_causal=True)
+
+
+@pytest.mark.parametrize("attention", [_near_miss, _causal, _causal_flag])
 def test_leaves_other_attention_alone(attention):
     torch.manual_seed(0)
     args = (
