@@ -444,6 +444,12 @@ class RoundCosts:
         """The buckets some round's cost is known in, smallest first."""
         return sorted({bucket for bucket, _ in self._seconds})
 
+    def milliseconds(self) -> dict[str, float]:
+        """Every known cost in milliseconds by "bucket:tag" (the key's `tag`, as
+        EngineStats.rounds_by_bucket names rounds), smallest bucket first."""
+        ordered = sorted(self._seconds.items(), key=lambda item: item[0][0])
+        return {f"{bucket}:{key.tag}": 1e3 * seconds for (bucket, key), seconds in ordered}
+
     def seed(self, bucket: int, key: Hashable, seconds: float) -> None:
         """Start the round's average at a measured value (runtime/cost_profile.py)."""
         self._seconds[(bucket, key)] = seconds

@@ -275,6 +275,12 @@ class Engine:
         """A snapshot of the running totals and the current load."""
         return self._scheduler.stats()
 
+    def round_costs(self) -> dict[str, float]:
+        """What the speculation policy takes each round to cost now, in milliseconds by
+        "bucket:tag" (as `stats().rounds_by_bucket` names rounds): a profile's or warm-up's
+        values, moved by the rounds timed since. Empty before warm-up or a first round."""
+        return self._scheduler.call(self.decoder.planner.costs.milliseconds)
+
     def encode_prompt(self, prompt: Prompt, *, index: int = 0) -> list[int]:
         """Token ids of a prompt: strings get the chat template when the config asks for it."""
         if isinstance(prompt, str):

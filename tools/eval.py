@@ -183,12 +183,16 @@ def run(args: argparse.Namespace) -> int:
             # Each request's (rounds, accepted drafts), in the order `measure` returns them:
             # what a live run and a replay of it (--cost-profile) compare request by request.
             requests = [[r.num_rounds, r.num_accepted] for r in per_request]
+            # What the policy took each round to cost when the point ended: beside the fixed
+            # trees' measured round_ms, whether its choices followed from wrong costs.
+            costs = {"policy_round_ms": spec.round_costs()} if policy != "fixed" else {}
             records.append(
                 {
                     **record,
                     "batch_size": batch_size,
                     "repeats": args.repeats,
                     **by_category,
+                    **costs,
                     "requests": requests,
                 }
             )

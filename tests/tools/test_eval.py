@@ -272,6 +272,14 @@ def test_eval_policies_can_choose_among_the_default_trees(model_dir, prompts_fil
         ("fixed", 4): (3, 2, 5),
         **{("cost", b): (t.depth, t.topk, t.num_nodes) for b, t in default.items()},
     }
+    # The policy's costs when each point ended: every round it ran among them, in ms.
+    for record in records:
+        if record["policy"] == "fixed":
+            assert "policy_round_ms" not in record
+            continue
+        costs = record["policy_round_ms"]
+        assert set(record["rounds_by_bucket"]) <= set(costs)
+        assert all(0 < ms < 60_000 for ms in costs.values())
 
 
 def test_category_fields_pool_each_category_over_its_rounds():
