@@ -107,6 +107,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def round_costs(self) -> dict[str, float]:
+        """Engine.round_costs: blocks until the decoding loop is between rounds."""
+        return self.engine.round_costs()
+
     def close(self) -> None:
         self.engine.close()
 

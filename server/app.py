@@ -66,7 +66,7 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    def prometheus() -> Response:  # in the thread pool: a scrape waits for a round to end
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")

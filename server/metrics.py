@@ -1,6 +1,8 @@
 """Prometheus metrics of a server, in a registry of its own (several apps in one process do not
-collide): the engine's load and totals are read from `Engine.stats()` at scrape time; the
-latencies clients see are observed by the routes."""
+collide): the engine's load and totals are read from `Engine.stats()` at scrape time, the
+policy's round costs from `Engine.round_costs()` (which waits for the decoding loop to be
+between rounds, so a scrape runs off the event loop); the latencies clients see are observed
+by the routes."""
 
 from __future__ import annotations
 
@@ -83,6 +85,15 @@ class _EngineCollector(Collector):
         for key, count in sorted(stats.rounds_by_bucket.items()):
             rounds.add_metric(key.split(":", 1), count)
         yield rounds
+        costs = GaugeMetricFamily(
+            "specrun_round_cost_milliseconds",
+            "What the speculation policy takes a round to cost now (measured at warm-up or "
+            "loaded from a profile, moved by the rounds timed since), per bucket and round.",
+            labels=["bucket", "round"],
+        )
+        for key, milliseconds in self._engine.round_costs().items():
+            costs.add_metric(key.split(":", 1), milliseconds)
+        yield costs
         yield _accepted_length(stats.accepted_histogram)
 
 

@@ -40,6 +40,16 @@ def test_completions_streamed_and_not_agree(server, client):
     assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0
 
 
+def test_metrics_give_each_round_run_its_policy_cost(server, client):
+    client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0)
+    samples = server.metrics()
+    rounds = [name for name in samples if name.startswith("specrun_rounds_total{")]
+    assert rounds
+    for name in rounds:
+        labels = name.removeprefix("specrun_rounds_total")
+        assert samples[f"specrun_round_cost_milliseconds{labels}"] > 0
+
+
 def test_chat_completions_streamed_and_not(client):
     whole = client.chat.completions.create(
         model="smollm2", messages=QUESTION, max_tokens=30, temperature=0
