@@ -30,6 +30,7 @@ import torch
 from .aot import artifact_parts, expected_manifest
 from .config import SamplingParams
 from .decoder import Decoder
+from .reports import host_lag
 from .round_plan import RoundVariant
 from .slots import restore_rows, save_rows
 
@@ -181,8 +182,10 @@ def seed(decoder: Decoder, profile: CostProfile) -> None:
 def replay(decoder: Decoder, profile: CostProfile, params: Sequence[SamplingParams]) -> None:
     """Make the decoder's policy decide from `profile`, measured on another device or build
     of the same model and head, and keep its costs (frozen: the rounds run here are not
-    timed into them). Raises ValueError if the profile was measured for another model or
-    head, or lacks a round that requests with any of `params` may run."""
+    timed into them), reading reports as many rounds late as the host does on that device
+    (`reports.host_lag`: the policy then decides with what it would know there). Raises
+    ValueError if the profile was measured for another model or head, or lacks a round that
+    requests with any of `params` may run."""
     current = identity(decoder)
     names = ("model", "head") if decoder.head is not None else ("model",)
     differs = [name for name in names if profile.identity.get(name) != current[name]]
@@ -205,6 +208,9 @@ def replay(decoder: Decoder, profile: CostProfile, params: Sequence[SamplingPara
         )
     seed(decoder, profile)
     decoder.planner.costs.frozen = True
+    decoder.host_lag = host_lag(
+        torch.device("cpu" if profile.identity.get("device", "cpu") == "cpu" else "cuda")
+    )
 
 
 def charged_seconds(profile: CostProfile, rounds_by_bucket: dict[str, int]) -> float:

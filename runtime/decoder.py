@@ -97,6 +97,9 @@ class Decoder:
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = target.lm_head.weight.device
+        # Rounds the host reads reports behind the device (a replayed cost profile sets its
+        # device's: cost_profile.replay).
+        self.host_lag = host_lag(self.device)
         self.use_graphs = config.resolved_cuda_graphs()
         self.compiled = config.resolved_compile()
         self.planner = RoundPlanner(config, has_head=head is not None)
@@ -286,9 +289,8 @@ class Decoder:
         book = self.planner.new_book()
         # Without trees nothing reads the acceptance estimates: no bookkeeping per slot.
         speculates = self.planner.speculates
-        lag = host_lag(self.device)
         while not tracker.all_done:
-            while len(reader) <= lag:
+            while len(reader) <= self.host_lag:
                 live = [slot for slot, done in enumerate(tracker.done) if not done]
                 estimates = [book.get(s, kind=params[s].greedy) for s in live] if speculates else []
                 variant = self.planner.plan(bucket, params, estimates)

@@ -52,7 +52,7 @@ READABLE = frozenset(
     {
         "config", "device", "planner", "use_graphs", "compiled", "warmups", "max_depth",
         "num_slots", "target", "head", "eos_token_ids", "check_fits", "prefill_graphs",
-        "admission_graphs", "compiled_steps",
+        "admission_graphs", "compiled_steps", "host_lag",
     }
 )  # fmt: skip
 

@@ -58,6 +58,10 @@ class ReportReader:
         end.record()
         self._queue.append((host, (start, end), tag))
 
+    def tags(self) -> list[Any]:
+        """The tags of the reports not read yet, oldest first."""
+        return [tag for _, _, tag in self._queue]
+
     def read(self) -> tuple[list[list[int]], float, Any]:
         """The oldest report's rows, the seconds its launch took and its tag."""
         report, timing, tag = self._queue.popleft()

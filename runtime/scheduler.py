@@ -42,7 +42,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +55,7 @@ from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, SamplingParams
 from .decoder import Decoder, settle_heap
 from .handle import FINISH_CANCELLED, Delta, EngineClosedError, EngineOverloadedError, RequestHandle
-from .reports import ReportReader, host_lag, row_finish, row_signals, row_tokens
+from .reports import ReportReader, row_finish, row_signals, row_tokens
 from .round import ReportColumns
 from .round_plan import RoundVariant
 from .stats import EngineStats
@@ -284,8 +284,8 @@ class Scheduler:
         if prefills.chunks or prefills.whole:
             self._prefill(prefills)
         self._resize(shrink=not has_waiting)
-        self._launch_round()
-        self._read_reports()
+        launched = self._launch_round()
+        self._read_reports(launched=launched)
         return True
 
     def _has_work(self) -> bool:
@@ -421,30 +421,52 @@ class Scheduler:
             live = sorted(dests + [slot for slot in live if slot < fits])
         self._bucket = config.bucket_for(live[-1] + 1)
 
-    def _launch_round(self) -> None:
+    def _launch_round(self) -> bool:
+        """Launch the bucket's next round for the requests that may still emit: whether one
+        was launched. A round emits at least one token for each request it does not end, so
+        a request whose rounds in flight (those launched, not yet read) are at least its
+        tokens left ends with them: the round after is not launched for it alone, and the
+        policy does not count it."""
         bucket = self._bucket
         owners = self._decoding(bucket)
-        live = [h for h in owners if h is not None]
+        in_flight = self._rounds_in_flight()
+        left = {h: self._tokens_left(h) - in_flight[h] for h in owners if h is not None}
+        live = [h for h, n in left.items() if n > 0 or not in_flight[h]]
         if not live:
-            return
+            return False
         params = [h.params for h in live]
-        estimates = self._estimates(live) if self.decoder.planner.speculates else []
+        estimates = self._estimates(live, left) if self.decoder.planner.speculates else []
         variant = self.decoder.planner.plan(bucket, params, estimates)
         if self.decoder.use_graphs and (bucket, variant) not in self.decoder.warmups:
             self.decoder.prepare(bucket, variant=variant, prefill=False)
             settle_heap()
         run = self.decoder.round_runner(bucket, variant=variant)
         self._reader.submit(run, tag=("round", list(owners), (bucket, variant)))
+        return True
 
-    def _estimates(self, live: list[RequestHandle]) -> list[AcceptanceEstimate]:
+    def _rounds_in_flight(self) -> Counter[RequestHandle]:
+        """Per request, the rounds launched for it whose reports are not read yet."""
+        counts: Counter[RequestHandle] = Counter()
+        for tag in self._reader.tags():
+            if tag[0] == "round":
+                counts.update(h for h in tag[1] if h is not None)
+        return counts
+
+    @staticmethod
+    def _tokens_left(handle: RequestHandle) -> int:
+        """The tokens the request may still generate, as far as the reports read say."""
+        return handle.params.max_new_tokens - len(handle.token_ids)
+
+    def _estimates(
+        self, live: list[RequestHandle], left: dict[RequestHandle, int]
+    ) -> list[AcceptanceEstimate]:
         """The live requests' acceptance estimates, told what a static batch's projection
-        needs: each request's tokens left and its batch's likely slowest (while nobody
-        waits)."""
+        needs: each request's tokens left after the rounds in flight (`left`, each counted
+        as one token) and its batch's likely slowest (while nobody waits)."""
         estimates = [self._acceptance.get(h, kind=h.params.greedy) for h in live]
         nobody_waits = not self._waiting
         for handle, estimate in zip(live, estimates, strict=True):
-            left = handle.params.max_new_tokens - len(handle.token_ids)
-            estimate.remaining = left if nobody_waits else None
+            estimate.remaining = max(left[handle], 1) if nobody_waits else None
             estimate.slowest = (
                 self._acceptance.slowest_of(estimate.kind, len(live)) if nobody_waits else None
             )
@@ -455,9 +477,12 @@ class Scheduler:
         for slots reserved for chunked prompts (done on the device until installed)."""
         return [None if h in self._chunks else h for h in self._slots[:bucket]]
 
-    def _read_reports(self) -> None:
-        lag = host_lag(self.decoder.device)
-        while len(self._reader) > lag or (len(self._reader) and not self._num_live()):
+    def _read_reports(self, *, launched: bool) -> None:
+        """Read the reports beyond the host's lag, and every one once no round was launched
+        (nothing to decode, or only rounds in flight left to end it)."""
+        while len(self._reader) > self.decoder.host_lag or (
+            len(self._reader) and (not launched or not self._num_live())
+        ):
             rows, seconds, tag = self._reader.read()
             if tag[0] == "prefill":
                 self._on_prefill(rows, tag[1], seconds)

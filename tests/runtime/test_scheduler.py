@@ -245,6 +245,38 @@ class _RecordingCostPolicy(CostPolicy):
         return super().choose(bucket, candidates, requests, costs)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "plain"])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(requests=workloads())
+def test_a_host_reading_a_round_late_decodes_the_same(models, kind, requests):
+    """The host one round behind the device, as on CUDA (`Decoder.host_lag`): each round is
+    planned before the last one's report is read, and still every request decodes what it
+    decodes alone and every slot is freed."""
+    target, head = models[kind]
+    scheduler = _scheduler(target, head)
+    scheduler.decoder.host_lag = 1
+    with torch.no_grad():
+        _check_against_reference(target, _run(scheduler, requests), requests)
+    assert scheduler.slots == [None] * 4
+    assert bool(scheduler.decoder.state(4).done.all())
+
+
+def test_no_round_is_launched_for_requests_its_rounds_in_flight_end(models):
+    """One round behind, a request with one token left and one round in flight ends with
+    that round: the host launches no round after it, so N tokens take N - 1 rounds after
+    the prefill's first token."""
+    target, _ = models["plain"]
+    scheduler = _scheduler(target, None)
+    scheduler.decoder.host_lag = 1
+    requests = [([3, 4, 5], SamplingParams(max_new_tokens=7, ignore_eos=True), 0, None)]
+    with torch.no_grad():
+        [handle] = _run(scheduler, requests)
+    assert len(handle.result(timeout=0).token_ids) == 7
+    assert scheduler.stats().num_rounds == 6
+
+
 def test_the_policy_sees_remaining_tokens_only_while_nobody_waits(models):
     """Six requests for four slots: while two wait the policy maximises the batch's tokens
     per second (no remaining counts); once nobody waits it sees each request's remaining

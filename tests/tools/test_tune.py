@@ -162,8 +162,13 @@ def test_a_replayed_profile_must_cover_the_rounds_and_match_the_model(dirs, tmp_
     other = cost_profile.CostProfile({**own, "model": "0123"}, {1: dict.fromkeys(tags, 1.0)})
     with pytest.raises(ValueError, match="another model"):
         cost_profile.replay(engine.decoder, other, greedy)
+    # A GPU's profile: the host plans each round before reading the last one, as there.
+    gpu = cost_profile.CostProfile({**own, "device": "NVIDIA H100"}, {1: dict.fromkeys(tags, 1.0)})
+    cost_profile.replay(engine.decoder, gpu, greedy)
+    assert engine.decoder.host_lag == 1
     whole = cost_profile.CostProfile(own, {1: dict.fromkeys(tags, 1.0)})
     cost_profile.replay(engine.decoder, whole, greedy)
+    assert engine.decoder.host_lag == 0
     [plain] = [v for v in engine.decoder.planner.candidates(1, greedy) if v.tree is None]
     engine.decoder.planner.done(1, plain, 5.0, [0])
     engine.decoder.planner.done(1, plain, 5.0, [0])
