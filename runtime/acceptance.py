@@ -65,7 +65,9 @@ from .tree import StaticTree, TreeShape
 # engine has seen none either.
 PRIOR_ALPHA = 0.6
 # Weight of one speculative round in a request's running accepted length (and so its alpha).
-ALPHA_RATE = 0.3
+# On CUDA the host plans each round before reading the last one's report, so a round's
+# surprise steers the round after next; a faster rate chases dips that are over by then.
+ALPHA_RATE = 0.15
 # How many rounds a head's measured acceptance counts as in the running mean of its kind.
 MEASURED_ROUNDS = 16
 # Weight of one speculative round in the running mean alpha of its kind of request, once the
