@@ -480,9 +480,7 @@ class Scheduler:
     def _read_reports(self, *, launched: bool) -> None:
         """Read the reports beyond the host's lag, and every one once no round was launched
         (nothing to decode, or only rounds in flight left to end it)."""
-        while len(self._reader) > self.decoder.host_lag or (
-            len(self._reader) and (not launched or not self._num_live())
-        ):
+        while len(self._reader) > self.decoder.host_lag or (len(self._reader) and not launched):
             rows, seconds, tag = self._reader.read()
             if tag[0] == "prefill":
                 self._on_prefill(rows, tag[1], seconds)
