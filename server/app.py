@@ -2,18 +2,22 @@
 server-sent events or not), /v1/models, /health, /metrics.
 
 A request is validated (protocol.py), encoded and submitted before the response starts, so
-every refusal is a 4xx/503 with OpenAI's error body and nothing reaches the engine. A
-streamed response ends its request when the client disconnects (the stream's generator is
-closed, which cancels it). Stop strings are matched here, on the text, and cut exactly.
+every refusal is a 4xx/503 with OpenAI's error body and nothing reaches the engine. Each of
+its `n` choices is a request of its own in the engine, submitted together (a refusal of one
+cancels the others); a streamed response interleaves the choices' chunks as they come, each
+with its index. A streamed response ends its requests when the client disconnects (the
+stream's generator is closed, which cancels them). Stop strings are matched here, on the
+text, and cut exactly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..runtime.async_engine import AsyncEngine, AsyncRequest
+from ..runtime.config import SamplingParams
 from ..runtime.handle import EngineClosedError, EngineOverloadedError
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling, error_body
@@ -92,10 +97,10 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
             message = f"model {body.model!r} does not exist; this server serves {model_name!r}"
             raise _HTTPError(404, message, kind="invalid_request_error", param="model")
         arrived = time.perf_counter()
-        request = _submit(engine, body, ids, max_tokens)
+        requests = _submit(engine, body, ids, max_tokens)
         kind = "chatcmpl" if chat else "cmpl"
-        reply = _Reply(f"{kind}-{uuid.uuid4().hex}", model_name, chat=chat, request=request)
-        events = _text_events(request, body.stop_strings(), metrics, arrived)
+        reply = _Reply(f"{kind}-{uuid.uuid4().hex}", model_name, chat=chat, requests=requests)
+        events = [_text_events(r, body.stop_strings(), metrics, arrived) for r in requests]
         if body.stream:
             chunks = reply.stream(events, include_usage=body.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
@@ -146,15 +151,29 @@ def _openai_reason(reason: str) -> str:
 
 def _submit(
     engine: AsyncEngine, body: _Sampling, ids: list[int], max_tokens: int | None
-) -> AsyncRequest:
-    """Submit a validated body; the engine's refusals become HTTP errors. Without max_tokens,
-    up to 256 tokens, fewer when the context holds fewer."""
+) -> list[AsyncRequest]:
+    """Submit a validated body's `n` choices; the engine's refusals become HTTP errors (after
+    cancelling the choices already submitted). Without max_tokens, up to 256 tokens, fewer
+    when the context holds fewer."""
     if max_tokens is None:
         decoder = engine.engine.decoder
         room = decoder.config.max_seq_len - len(ids) - 2 * (decoder.max_depth + 1)
         max_tokens = max(1, min(_DEFAULT_MAX_TOKENS, room))
+    requests: list[AsyncRequest] = []
     try:
-        return engine.submit(ids, body.sampling_params(max_tokens=max_tokens))
+        for choice in range(body.n):
+            params = body.sampling_params(max_tokens=max_tokens, choice=choice)
+            requests.append(_submit_one(engine, ids, params))
+        return requests
+    except BaseException:
+        for request in requests:
+            request.cancel()
+        raise
+
+
+def _submit_one(engine: AsyncEngine, ids: list[int], params: SamplingParams) -> AsyncRequest:
+    try:
+        return engine.submit(ids, params)
     except EngineOverloadedError as e:
         raise _HTTPError(503, str(e), kind="server_overloaded") from None
     except EngineClosedError as e:
@@ -164,47 +183,59 @@ def _submit(
 
 
 class _Reply:
-    """OpenAI response bodies of one request."""
+    """OpenAI response bodies of one request and its choices."""
 
-    def __init__(self, reply_id: str, model: str, *, chat: bool, request: AsyncRequest) -> None:
+    def __init__(
+        self, reply_id: str, model: str, *, chat: bool, requests: Sequence[AsyncRequest]
+    ) -> None:
         self.id, self.model, self.chat = reply_id, model, chat
         self.created = int(time.time())
-        self._handle = request.handle
+        self._handles = [request.handle for request in requests]
 
-    async def whole(self, events: AsyncIterator[tuple[str, str | None]]) -> dict:
-        parts, finish = [], None
-        async for text, reason in events:
-            parts.append(text)
-            finish = reason
-        choice = self._choice("".join(parts), finish, delta=False)
-        return self._body([choice], chunk=False, usage=self._usage())
+    async def whole(self, events: Sequence[AsyncIterator[tuple[str, str | None]]]) -> dict:
+        try:
+            texts = await asyncio.gather(*(_whole_text(e) for e in events))
+        finally:
+            self._cancel()  # no effect on requests that finished
+        choices = [
+            self._choice(index, text, finish, delta=False)
+            for index, (text, finish) in enumerate(texts)
+        ]
+        return self._body(choices, chunk=False, usage=self._usage())
 
     async def stream(
-        self, events: AsyncIterator[tuple[str, str | None]], *, include_usage: bool
+        self, events: Sequence[AsyncIterator[tuple[str, str | None]]], *, include_usage: bool
     ) -> AsyncIterator[str]:
+        merged = _merged(events)
         try:
             if self.chat:
-                first = self._choice(None, None, delta=True)
-                first["delta"] = {"role": "assistant", "content": ""}
-                yield _event(self._body([first], chunk=True))
-            async for text, reason in events:
+                for index in range(len(events)):
+                    first = self._choice(index, None, None, delta=True)
+                    first["delta"] = {"role": "assistant", "content": ""}
+                    yield _event(self._body([first], chunk=True))
+            async for index, (text, reason) in merged:
                 if text or reason is not None:
-                    choice = self._choice(text or None, reason, delta=True)
+                    choice = self._choice(index, text or None, reason, delta=True)
                     yield _event(self._body([choice], chunk=True))
             if include_usage:
                 yield _event(self._body([], chunk=True, usage=self._usage()))
             yield "data: [DONE]\n\n"
         finally:
-            await events.aclose()  # a disconnected client: cancels the request
+            await merged.aclose()
+            self._cancel()  # a disconnected client, even before the first chunk
 
-    def _choice(self, text: str | None, reason: str | None, *, delta: bool) -> dict:
+    def _cancel(self) -> None:
+        for handle in self._handles:
+            handle.cancel()
+
+    def _choice(self, index: int, text: str | None, reason: str | None, *, delta: bool) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
         if delta:
             content = {} if text is None else {"content": text}
-            return {"index": 0, "delta": content, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
 
     def _body(self, choices: list[dict], *, chunk: bool, usage: dict | None = None) -> dict:
         if self.chat:
@@ -218,12 +249,59 @@ class _Reply:
         return body
 
     def _usage(self) -> dict:
-        num_prompt, num_completion = len(self._handle.prompt_token_ids), len(self._handle.token_ids)
+        """The prompt counted once, the completion tokens of every choice."""
+        num_prompt = len(self._handles[0].prompt_token_ids)
+        num_completion = sum(len(handle.token_ids) for handle in self._handles)
         return {
             "prompt_tokens": num_prompt,
             "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion,
         }
+
+
+async def _whole_text(events: AsyncIterator[tuple[str, str | None]]) -> tuple[str, str | None]:
+    """A choice's whole text and finish reason; its request is cancelled if this is."""
+    parts, finish = [], None
+    try:
+        async for text, reason in events:
+            parts.append(text)
+            finish = reason
+    finally:
+        await events.aclose()
+    return "".join(parts), finish
+
+
+async def _merged(iterators: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(index, item) of every iterator's items as they come; closing it closes them all (a
+    task of each reads its iterator, so a slow choice never holds back the others)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def read(index: int, iterator: AsyncIterator) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((index, item))
+        finally:
+            queue.put_nowait((index, finished))
+
+    tasks = [asyncio.create_task(read(i, it)) for i, it in enumerate(iterators)]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            index, item = await queue.get()
+            if item is finished:
+                num_open -= 1
+            else:
+                yield index, item
+        await asyncio.gather(*tasks)  # a reader's exception, if one failed
+    finally:
+        for task in tasks:
+            task.cancel()
+        # The readers finish before their iterators close: an iterator that a task is
+        # still inside cannot be closed from here.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for iterator in iterators:
+            await iterator.aclose()
 
 
 def _event(body: dict) -> str:

@@ -3,7 +3,7 @@ engine, and the error body it answers with.
 
 Types are strict (a string where a number belongs is an error, not coerced), unknown fields
 are ignored as OpenAI's clients send some we do not use, and options specrun does not
-implement (n > 1, logprobs, penalties, echo) are refused by name rather than ignored.
+implement (logprobs, penalties, echo) are refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..runtime.config import SamplingParams
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
+# Choices of one request (`n`): each is a request of its own in the engine.
+MAX_CHOICES = 16
 
 
 class StreamOptions(BaseModel):
@@ -36,17 +38,10 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported; send one request per completion")
-        return n
 
     @field_validator("logprobs")
     @classmethod
@@ -73,7 +68,10 @@ class _Sampling(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, *, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, *, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine parameters of choice `choice` (0 to n - 1): with a seed, choice i
+        samples from seed + i, so every choice differs and each reproduces alone."""
+        seed = None if self.seed is None else (self.seed + choice) % 2**64
         return SamplingParams(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -81,7 +79,7 @@ class _Sampling(BaseModel):
             max_new_tokens=max_tokens,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
-            seed=self.seed,
+            seed=seed,
         )
 
     @property

@@ -1,6 +1,7 @@
 """`specrun serve` through the real `openai` client and raw HTTP: completions and chat
-completions, streamed and not, stop strings cut exactly, seeds reproduce, bad requests get a
-400 naming the field, a client that disconnects mid-stream frees its request."""
+completions, streamed and not, stop strings cut exactly, seeds reproduce, n choices each
+seeded apart, bad requests get a 400 naming the field, a client that disconnects mid-stream
+frees its requests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import httpx
 import openai
 import pytest
+
+from specrun.server.protocol import CompletionRequest
 
 PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -95,13 +98,55 @@ def test_seeds_reproduce_and_sampling_varies(client):
     assert len({first, sample(1), sample(2), sample(3)}) > 1
 
 
+def test_choice_i_samples_from_seed_plus_i():
+    body = CompletionRequest(prompt="hi", n=3, seed=7)
+    seeds = [body.sampling_params(max_tokens=4, choice=i).seed for i in range(3)]
+    assert seeds == [7, 8, 9]
+    last = CompletionRequest(prompt="hi", n=2, seed=2**64 - 1)
+    assert last.sampling_params(max_tokens=4, choice=1).seed == 0
+    assert CompletionRequest(prompt="hi", n=2).sampling_params(max_tokens=4, choice=1).seed is None
+
+
+def test_n_choices_each_decode_and_count_in_the_usage(client):
+    """n sampled choices: indexes 0..n-1, each its own text (seeded apart), the usage counting
+    the prompt once and every choice's tokens. (Not compared with single requests seeded
+    seed + i: in bf16 a batch of three rounds its logits otherwise than a batch of one, which
+    can move a sampled token at a near-tie.)"""
+    options = dict(model="smollm2", max_tokens=12, temperature=1.0, seed=7)
+    options |= dict(prompt="Once upon a time", extra_body={"ignore_eos": True})
+    reply = client.completions.create(n=3, **options)
+    alone = client.completions.create(**options)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.text for c in reply.choices}) == 3
+    assert reply.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert reply.usage.completion_tokens == 3 * 12
+
+
+def test_streamed_choices_come_by_index_and_match_the_whole_reply(server, client):
+    options = dict(model="smollm2", messages=QUESTION, max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(n=2, **options)
+    chunks = list(client.chat.completions.create(n=2, stream=True, **options))
+    texts, roles, finishes = {0: "", 1: ""}, {}, {}
+    for chunk in chunks:
+        [choice] = chunk.choices
+        roles.setdefault(choice.index, choice.delta.role)
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason is not None:
+            finishes[choice.index] = choice.finish_reason
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    server.wait_idle()
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
         ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 10**6}, None),
-        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "n": 0}, "n"),
+        ({"prompt": "hi", "n": 17}, "n"),
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "hi", "top_k": 10**7}, None),
         ({"prompt": "hi", "seed": -3}, "seed"),
@@ -135,9 +180,11 @@ def test_bad_chat_requests_and_malformed_json(server):
     server.wait_idle()
 
 
-def test_a_client_disconnecting_mid_stream_frees_its_request(server):
+@pytest.mark.parametrize("num_choices", [1, 2])
+def test_a_client_disconnecting_mid_stream_frees_its_requests(server, num_choices):
     body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+            "stream": True, "n": num_choices}  # fmt: skip
+    cancelled = server.metric("specrun_requests_cancelled_total")
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as reply:
         # Held: a line iterator dropped by `break` is finalised at once, closing the connection.
         lines = reply.iter_lines()
@@ -145,8 +192,8 @@ def test_a_client_disconnecting_mid_stream_frees_its_request(server):
             if line.startswith("data: "):
                 assert json.loads(line[6:])["choices"]
                 break
-        assert server.metric("specrun_requests_running") == 1
-    # The cancellation counter, not the wait, tells a freed request from one that ran its
+        assert server.metric("specrun_requests_running") == num_choices
+    # The cancellation counter, not the wait, tells freed requests from ones that ran their
     # 400 tokens out: the wait only has to outlast a loaded machine's round and scrape.
     server.wait_idle(timeout=10.0)
-    assert server.metric("specrun_requests_cancelled_total") >= 1
+    assert server.metric("specrun_requests_cancelled_total") - cancelled == num_choices
