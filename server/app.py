@@ -76,11 +76,12 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        if isinstance(body.prompt, str):
-            ids = engine.engine.tokenizer.encode(body.prompt, add_special_tokens=True)
-        else:
-            ids = list(body.prompt)
-        return await _respond(body, ids, max_tokens=body.max_tokens, chat=False)
+        tokenizer = engine.engine.tokenizer
+        prompts = [
+            tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            for p in body.prompts()
+        ]
+        return await _respond(body, prompts, max_tokens=body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
@@ -90,16 +91,19 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
                              kind="invalid_request_error", param="messages")  # fmt: skip
         text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
         ids = tokenizer.encode(text, add_special_tokens=False)
-        return await _respond(body, ids, max_tokens=body.requested_max_tokens(), chat=True)
+        return await _respond(body, [ids], max_tokens=body.requested_max_tokens(), chat=True)
 
-    async def _respond(body: _Sampling, ids: list[int], *, max_tokens: int | None, chat: bool):
+    async def _respond(
+        body: _Sampling, prompts: list[list[int]], *, max_tokens: int | None, chat: bool
+    ):
         if body.model and body.model != model_name:
             message = f"model {body.model!r} does not exist; this server serves {model_name!r}"
             raise _HTTPError(404, message, kind="invalid_request_error", param="model")
         arrived = time.perf_counter()
-        requests = _submit(engine, body, ids, max_tokens)
+        requests = _submit(engine, body, prompts, max_tokens)
         kind = "chatcmpl" if chat else "cmpl"
-        reply = _Reply(f"{kind}-{uuid.uuid4().hex}", model_name, chat=chat, requests=requests)
+        reply_id = f"{kind}-{uuid.uuid4().hex}"
+        reply = _Reply(reply_id, model_name, chat=chat, requests=requests, num_choices=body.n)
         events = [_text_events(r, body.stop_strings(), metrics, arrived) for r in requests]
         if body.stream:
             chunks = reply.stream(events, include_usage=body.include_usage)
@@ -150,20 +154,20 @@ def _openai_reason(reason: str) -> str:
 
 
 def _submit(
-    engine: AsyncEngine, body: _Sampling, ids: list[int], max_tokens: int | None
+    engine: AsyncEngine, body: _Sampling, prompts: list[list[int]], max_tokens: int | None
 ) -> list[AsyncRequest]:
-    """Submit a validated body's `n` choices; the engine's refusals become HTTP errors (after
-    cancelling the choices already submitted). Without max_tokens, up to 256 tokens, fewer
-    when the context holds fewer."""
-    if max_tokens is None:
-        decoder = engine.engine.decoder
-        room = decoder.config.max_seq_len - len(ids) - 2 * (decoder.max_depth + 1)
-        max_tokens = max(1, min(_DEFAULT_MAX_TOKENS, room))
+    """Submit a validated body's `n` choices of each prompt, in the order of their indexes;
+    the engine's refusals become HTTP errors (after cancelling the choices already
+    submitted). Without max_tokens, up to 256 tokens, fewer when the context holds fewer."""
+    decoder = engine.engine.decoder
     requests: list[AsyncRequest] = []
     try:
-        for choice in range(body.n):
-            params = body.sampling_params(max_tokens=max_tokens, choice=choice)
-            requests.append(_submit_one(engine, ids, params))
+        for ids in prompts:
+            room = decoder.config.max_seq_len - len(ids) - 2 * (decoder.max_depth + 1)
+            limit = max(1, min(_DEFAULT_MAX_TOKENS, room)) if max_tokens is None else max_tokens
+            for _ in range(body.n):
+                params = body.sampling_params(max_tokens=limit, choice=len(requests))
+                requests.append(_submit_one(engine, ids, params))
         return requests
     except BaseException:
         for request in requests:
@@ -186,11 +190,18 @@ class _Reply:
     """OpenAI response bodies of one request and its choices."""
 
     def __init__(
-        self, reply_id: str, model: str, *, chat: bool, requests: Sequence[AsyncRequest]
+        self,
+        reply_id: str,
+        model: str,
+        *,
+        chat: bool,
+        requests: Sequence[AsyncRequest],
+        num_choices: int,
     ) -> None:
         self.id, self.model, self.chat = reply_id, model, chat
         self.created = int(time.time())
         self._handles = [request.handle for request in requests]
+        self._num_choices = num_choices
 
     async def whole(self, events: Sequence[AsyncIterator[tuple[str, str | None]]]) -> dict:
         try:
@@ -249,8 +260,9 @@ class _Reply:
         return body
 
     def _usage(self) -> dict:
-        """The prompt counted once, the completion tokens of every choice."""
-        num_prompt = len(self._handles[0].prompt_token_ids)
+        """Each prompt counted once, the completion tokens of every choice."""
+        firsts = self._handles[:: self._num_choices]
+        num_prompt = sum(len(handle.prompt_token_ids) for handle in firsts)
         num_completion = sum(len(handle.token_ids) for handle in self._handles)
         return {
             "prompt_tokens": num_prompt,

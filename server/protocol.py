@@ -15,8 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..runtime.config import SamplingParams
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
-# Choices of one request (`n`): each is a request of its own in the engine.
+# Choices per prompt (`n`) and prompts per completion request: each choice of each prompt
+# is a request of its own in the engine.
 MAX_CHOICES = 16
+MAX_PROMPTS = 16
 
 
 class StreamOptions(BaseModel):
@@ -69,8 +71,9 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling_params(self, *, max_tokens: int, choice: int = 0) -> SamplingParams:
-        """The engine parameters of choice `choice` (0 to n - 1): with a seed, choice i
-        samples from seed + i, so every choice differs and each reproduces alone."""
+        """The engine parameters of the choice of index `choice` (0 to n - 1 for one prompt;
+        prompt p's choices are p * n to p * n + n - 1): with a seed, choice i samples from
+        seed + i, so every choice differs."""
         seed = None if self.seed is None else (self.seed + choice) % 2**64
         return SamplingParams(
             temperature=self.temperature,
@@ -88,21 +91,27 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    """POST /v1/completions: prompt is text, a list of token ids, or a list of one text."""
+    """POST /v1/completions: prompt is a text or a list of token ids, or a list of several
+    (up to MAX_PROMPTS; each gets `n` choices)."""
 
-    prompt: str | list[NonNegativeInt] | list[str]
+    prompt: str | list[NonNegativeInt] | list[str] | list[list[NonNegativeInt]]
     echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list) -> str | list:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return prompt[0]
-        if not prompt:
+    def _prompts(cls, prompt: str | list) -> str | list:
+        several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        prompts = prompt if several else [prompt]
+        if not prompts or any(not p for p in prompts):
             raise ValueError("prompt is empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request; got {len(prompts)}")
         return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one or several."""
+        several = isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
+        return list(self.prompt) if several else [self.prompt]
 
     @field_validator("echo")
     @classmethod

@@ -1,7 +1,7 @@
 """`specrun serve` through the real `openai` client and raw HTTP: completions and chat
 completions, streamed and not, stop strings cut exactly, seeds reproduce, n choices each
-seeded apart, bad requests get a 400 naming the field, a client that disconnects mid-stream
-frees its requests."""
+seeded apart, several prompts per completion, bad requests get a 400 naming the field, a
+client that disconnects mid-stream frees its requests."""
 
 from __future__ import annotations
 
@@ -122,6 +122,22 @@ def test_n_choices_each_decode_and_count_in_the_usage(client):
     assert reply.usage.completion_tokens == 3 * 12
 
 
+def test_several_prompts_get_n_choices_each_in_prompt_order(client):
+    """A list of prompts (texts or token ids): prompt p's choices are p * n .. p * n + n - 1,
+    the usage counting every prompt once."""
+    prompts = [PROMPT, "Once upon a time"]
+    options = dict(model="smollm2", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    reply = client.completions.create(prompt=prompts, n=2, **options)
+    alone = [client.completions.create(prompt=p, **options) for p in prompts]
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in reply.choices]
+    assert texts[0] == texts[1] != texts[2] == texts[3]  # greedy: a prompt's choices agree
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert reply.usage.completion_tokens == 4 * 8
+    by_ids = client.completions.create(prompt=[[1, 2, 3], [4, 5]], **options)
+    assert [c.index for c in by_ids.choices] == [0, 1] and by_ids.usage.prompt_tokens == 5
+
+
 def test_streamed_choices_come_by_index_and_match_the_whole_reply(server, client):
     options = dict(model="smollm2", messages=QUESTION, max_tokens=16, temperature=0)
     whole = client.chat.completions.create(n=2, **options)
@@ -154,6 +170,8 @@ def test_streamed_choices_come_by_index_and_match_the_whole_reply(server, client
         ({"prompt": "hi", "logprobs": 3}, "logprobs"),
         ({"prompt": "hi", "stream": "yes"}, "stream"),
         ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": ["hi", ""]}, "prompt"),
+        ({"prompt": ["hi"] * 17}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({}, "prompt"),
     ],
