@@ -138,6 +138,20 @@ def test_several_prompts_get_n_choices_each_in_prompt_order(client):
     assert [c.index for c in by_ids.choices] == [0, 1] and by_ids.usage.prompt_tokens == 5
 
 
+def test_more_choices_than_the_queue_holds_get_a_503_and_queue_none(server):
+    """16 prompts x 16 choices: past the server's 64 waiting requests the engine refuses
+    one, and the choices submitted before it are cancelled, not left to decode."""
+    body = {"model": "smollm2", "prompt": [PROMPT] * 16, "n": 16, "max_tokens": 200,
+            "ignore_eos": True}  # fmt: skip
+    before = server.metric("specrun_generated_tokens_total")
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_overloaded"
+    server.wait_idle(timeout=10.0)
+    # Uncancelled, the 72 choices the slots and the queue took would decode 200 tokens each.
+    generated = server.metric("specrun_generated_tokens_total") - before
+    assert generated < 200 * 8, "the queued choices decoded instead of being cancelled"
+
+
 def test_streamed_choices_come_by_index_and_match_the_whole_reply(server, client):
     options = dict(model="smollm2", messages=QUESTION, max_tokens=16, temperature=0)
     whole = client.chat.completions.create(n=2, **options)
