@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..runtime.async_engine import AsyncEngine, AsyncRequest
 from ..runtime.config import SamplingParams
 from ..runtime.handle import EngineClosedError, EngineOverloadedError
+from . import streams
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling, error_body
 from .stop_strings import StopStrings
@@ -217,7 +218,7 @@ class _Reply:
     async def stream(
         self, events: Sequence[AsyncIterator[tuple[str, str | None]]], *, include_usage: bool
     ) -> AsyncIterator[str]:
-        merged = _merged(events)
+        merged = streams.merged(events)
         try:
             if self.chat:
                 for index in range(len(events)):
@@ -281,39 +282,6 @@ async def _whole_text(events: AsyncIterator[tuple[str, str | None]]) -> tuple[st
     finally:
         await events.aclose()
     return "".join(parts), finish
-
-
-async def _merged(iterators: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """(index, item) of every iterator's items as they come; closing it closes them all (a
-    task of each reads its iterator, so a slow choice never holds back the others)."""
-    queue: asyncio.Queue = asyncio.Queue()
-    finished = object()
-
-    async def read(index: int, iterator: AsyncIterator) -> None:
-        try:
-            async for item in iterator:
-                await queue.put((index, item))
-        finally:
-            queue.put_nowait((index, finished))
-
-    tasks = [asyncio.create_task(read(i, it)) for i, it in enumerate(iterators)]
-    try:
-        num_open = len(tasks)
-        while num_open:
-            index, item = await queue.get()
-            if item is finished:
-                num_open -= 1
-            else:
-                yield index, item
-        await asyncio.gather(*tasks)  # a reader's exception, if one failed
-    finally:
-        for task in tasks:
-            task.cancel()
-        # The readers finish before their iterators close: an iterator that a task is
-        # still inside cannot be closed from here.
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for iterator in iterators:
-            await iterator.aclose()
 
 
 def _event(body: dict) -> str:
