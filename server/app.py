@@ -3,11 +3,11 @@ server-sent events or not), /v1/models, /health, /metrics.
 
 A request is validated (protocol.py), encoded and submitted before the response starts, so
 every refusal is a 4xx/503 with OpenAI's error body and nothing reaches the engine. Each of
-its `n` choices is a request of its own in the engine, submitted together (a refusal of one
-cancels the others); a streamed response interleaves the choices' chunks as they come, each
-with its index. A streamed response ends its requests when the client disconnects (the
-stream's generator is closed, which cancels them). Stop strings are matched here, on the
-text, and cut exactly.
+the `n` choices of each prompt is a request of its own in the engine, all submitted together
+(a refusal of one cancels the others); a streamed response interleaves the choices' chunks
+as they come, each with its index (streams.merged). A streamed response ends its requests
+when the client disconnects (the stream's generator is closed, which cancels them). Stop
+strings are matched here, on the text, and cut exactly.
 """
 
 from __future__ import annotations
