@@ -208,7 +208,7 @@ class _Reply:
         try:
             texts = await asyncio.gather(*(_whole_text(e) for e in events))
         finally:
-            self._cancel()  # no effect on requests that finished
+            self._cancel()  # a cancelled reply; no effect on requests that finished
         choices = [
             self._choice(index, text, finish, delta=False)
             for index, (text, finish) in enumerate(texts)
@@ -273,14 +273,11 @@ class _Reply:
 
 
 async def _whole_text(events: AsyncIterator[tuple[str, str | None]]) -> tuple[str, str | None]:
-    """A choice's whole text and finish reason; its request is cancelled if this is."""
+    """A choice's whole text and finish reason."""
     parts, finish = [], None
-    try:
-        async for text, reason in events:
-            parts.append(text)
-            finish = reason
-    finally:
-        await events.aclose()
+    async for text, reason in events:
+        parts.append(text)
+        finish = reason
     return "".join(parts), finish
 
 

@@ -100,8 +100,7 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, prompt: str | list) -> str | list:
-        several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-        prompts = prompt if several else [prompt]
+        prompts = _prompt_list(prompt)
         if not prompts or any(not p for p in prompts):
             raise ValueError("prompt is empty")
         if len(prompts) > MAX_PROMPTS:
@@ -110,8 +109,7 @@ class CompletionRequest(_Sampling):
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, one or several."""
-        several = isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
-        return list(self.prompt) if several else [self.prompt]
+        return _prompt_list(self.prompt)
 
     @field_validator("echo")
     @classmethod
@@ -139,6 +137,12 @@ class ChatCompletionRequest(_Sampling):
             if self.max_completion_tokens is not None
             else (self.max_tokens)
         )
+
+
+def _prompt_list(prompt: str | list) -> list:
+    """One prompt (a text or token ids) as a list of one; a list of several as it is."""
+    several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    return list(prompt) if several else [prompt]
 
 
 def error_body(message: str, *, kind: str, param: str | None = None) -> dict:

@@ -33,13 +33,15 @@
 set -o pipefail
 part=${1:-runtime}
 shift || true
+logging=(-p no:logging)
 case $part in
     decoder) selection=(tests/runtime/test_gpu_decoder.py) ;;
     runtime) selection=(tests/runtime --ignore=tests/runtime/test_gpu_decoder.py) ;;
     compiler) selection=(tests/kernels tests/passes tests/graphs -k "not artifacts") ;;
     artifacts) selection=(tests/graphs/test_artifacts.py) ;;
     # Warm-up's log lines as they come: a call that runs out shows how far the ranks got.
-    tp) selection=(tests/runtime/test_gpu_tensor_parallel.py -o log_cli=true --log-cli-level=INFO) ;;
+    tp) selection=(tests/runtime/test_gpu_tensor_parallel.py)
+        logging=(-o log_cli=true --log-cli-level=INFO) ;;
     all) selection=(tests) ;;
     *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts, tp or all" >&2; exit 2 ;;
 esac
@@ -52,8 +54,6 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
     | tee -a "$OUT/device.txt"
 status=0
 log="$OUT/gpu_tests_$part.log"
-logging=(-p no:logging)
-[ "$part" = tp ] && logging=()
 timeout -s INT "${SPECRUN_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider "${logging[@]}" \
     --durations=0 "${selection[@]}" "$@" > "$log" 2>&1 || status=1
 grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|s (call|setup) " "$log"
