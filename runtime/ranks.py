@@ -11,8 +11,11 @@ Two ways to get there:
 - `spawn_ranks`: this process is rank 0 and starts ranks 1..N-1 itself (torch.multiprocessing,
   spawn context, daemon processes), meeting them through a TCP store on a free local port.
   Each started rank runs `entry(ranks, *args)` and exits when it returns, or at once when
-  this process disappears (`_exit_with_parent`). `Ranks.close` joins them, terminating those
-  that do not end in time.
+  this process disappears (`_exit_with_parent`); it logs at this process's root level, each
+  line marked with its rank. `Ranks.close` joins them, terminating those that do not end in
+  time. A started rank that exits while the ranks are open is logged as an error at once
+  (`_watch_workers`): rank 0 may then wait in a collective that will never complete, and
+  the log says why.
 - `join_ranks`: every rank was started by a launcher (`torchrun`: RANK, WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT in the environment) or the default group is initialised already;
   this process is one of them and uses that group.
@@ -50,6 +53,8 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 START_TIMEOUT = datetime.timedelta(minutes=5)
 # How long `Ranks.close` waits for a started rank to exit before terminating it.
 JOIN_SECONDS = 30.0
+# How often rank 0 checks that the ranks it started are alive.
+WATCH_SECONDS = 1.0
 HOST = "127.0.0.1"
 _READY_KEY = "specrun/ready/{rank}"
 
@@ -73,6 +78,7 @@ class Ranks:
     owns_group: bool = True
     _threads: int | None = None
     _closed: bool = False
+    _stop_watching: threading.Event = field(default_factory=threading.Event)
 
     @property
     def sharding(self) -> Sharding:
@@ -86,6 +92,7 @@ class Ranks:
         if self._closed:
             return
         self._closed = True
+        self._stop_watching.set()
         deadline = time.monotonic() + timeout
         for worker in self.workers:
             worker.join(max(0.0, deadline - time.monotonic()))
@@ -127,12 +134,14 @@ def spawn_ranks(
         HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT
     )
     context = mp.get_context("spawn")
+    # Started ranks log at this process's level.
+    common = (world_size, store.port, device_type, os.getpid(), logging.getLogger().level, entry)
     workers = []
     try:
         for rank in range(1, world_size):
             worker = context.Process(
                 target=_rank_main,
-                args=(rank, world_size, store.port, device_type, os.getpid(), entry, args),
+                args=(rank, *common, args),
                 name=f"specrun-rank{rank}",
                 daemon=True,
             )
@@ -146,6 +155,12 @@ def spawn_ranks(
             worker.join(5.0)
         raise
     ranks.workers = workers
+    threading.Thread(
+        target=_watch_workers,
+        args=(workers, ranks._stop_watching),
+        name="specrun-rank-watch",
+        daemon=True,
+    ).start()
     return ranks
 
 
@@ -217,16 +232,35 @@ def _wait_until_ready(store: dist.Store, workers: list[BaseProcess]) -> None:
         time.sleep(0.02)
 
 
+def _watch_workers(workers: list[BaseProcess], stop: threading.Event) -> None:
+    """Log an error for each started rank that exits before `stop` is set."""
+    running = list(workers)
+    while running and not stop.wait(WATCH_SECONDS):
+        for worker in [w for w in running if not w.is_alive()]:
+            running.remove(worker)
+            if not stop.is_set():
+                logger.error(
+                    "tensor-parallel rank process %s exited with code %s while the engine is "
+                    "open; its error is printed above. The engine cannot continue: rank 0 "
+                    "waits for it in every collective. Close the engine and start a new one.",
+                    worker.name,
+                    worker.exitcode,
+                )
+
+
 def _rank_main(
     rank: int,
     world_size: int,
     port: int,
     device_type: str,
     parent_pid: int,
+    log_level: int,
     entry: Callable[..., None],
     args: tuple,
 ) -> None:
-    """A started rank's process: join rank 0, run `entry`, leave the groups."""
+    """A started rank's process: log as rank 0 does, join rank 0, run `entry`, leave the
+    groups."""
+    logging.basicConfig(level=log_level, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
     _exit_with_parent(parent_pid)
     store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=START_TIMEOUT)
     store.set(_READY_KEY.format(rank=rank), "1")

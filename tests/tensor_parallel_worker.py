@@ -1,6 +1,7 @@
-"""Test helpers: one rank of a tensor-parallel forward, of speculative decoding, and of a
-`specrun` command started as torchrun starts ranks, on gloo (importable as
-`tensor_parallel_worker`, so that torch.multiprocessing can start them in child processes).
+"""Test helpers: one rank of a tensor-parallel forward, of speculative decoding, of a
+`specrun` command started as torchrun starts ranks, and a started rank that dies, on gloo
+(importable as `tensor_parallel_worker`, so that torch.multiprocessing can start them in
+child processes).
 
 Each rank computes with one thread: the machine's cores are shared by the ranks, whose
 collectives wait for each other (oversubscribed, every wait lasts a time slice)."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 from pathlib import Path
 from unittest import mock
@@ -150,3 +152,10 @@ def cli_rank(rank: int, world_size: int, port: int, argv: list[str], result: str
     with contextlib.redirect_stdout(out):
         status = cli.main(argv)
     torch.save((status, out.getvalue()), result)
+
+
+def exit_rank(ranks, code: int) -> None:
+    """A started rank (runtime/ranks.py `spawn_ranks` entry) that logs a line, then dies with
+    exit code `code` without leaving its groups."""
+    logging.getLogger("specrun.tests").info("rank %d leaving", ranks.rank)
+    os._exit(code)

@@ -39,9 +39,11 @@ case $part in
     runtime) selection=(tests/runtime --ignore=tests/runtime/test_gpu_decoder.py) ;;
     compiler) selection=(tests/kernels tests/passes tests/graphs -k "not artifacts") ;;
     artifacts) selection=(tests/graphs/test_artifacts.py) ;;
-    # Warm-up's log lines as they come: a call that runs out shows how far the ranks got.
     tp) selection=(tests/runtime/test_gpu_tensor_parallel.py)
-        logging=(-o log_cli=true --log-cli-level=INFO) ;;
+        # Both ranks' output uncaptured (rank 1 writes to the inherited stderr) and NCCL's
+        # warnings: a call that runs out shows how far each rank got.
+        export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+        logging=(-s -o log_cli=true --log-cli-level=INFO) ;;
     all) selection=(tests) ;;
     *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts, tp or all" >&2; exit 2 ;;
 esac

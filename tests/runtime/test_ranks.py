@@ -1,0 +1,38 @@
+"""The ranks a tensor-parallel engine starts (runtime/ranks.py `spawn_ranks`), on the CPU: a
+started rank logs at rank 0's level with its rank on every line, and one that exits while
+the ranks are open is logged as an error naming it and its exit code (rank 0 would
+otherwise wait for it in a collective with nothing in the log)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tensor_parallel_worker import exit_rank
+
+from specrun.runtime.ranks import WATCH_SECONDS, spawn_ranks
+
+
+def test_a_started_rank_that_exits_is_logged_and_its_lines_carry_its_rank(caplog, capfd):
+    caplog.set_level(logging.INFO)
+    ranks = spawn_ranks(2, device_type="cpu", entry=exit_rank, args=(3,))
+    try:
+        deadline = time.monotonic() + 20 * WATCH_SECONDS
+        while time.monotonic() < deadline and not _errors(caplog):
+            time.sleep(0.1)
+        assert any("specrun-rank1 exited with code 3" in m for m in _errors(caplog))
+    finally:
+        ranks.close()
+    assert "rank 1: INFO specrun.tests: rank 1 leaving" in capfd.readouterr().err
+
+
+def test_ranks_closed_normally_log_no_error(caplog):
+    caplog.set_level(logging.INFO)
+    ranks = spawn_ranks(2, device_type="cpu", entry=exit_rank, args=(0,))
+    ranks.close()
+    time.sleep(2 * WATCH_SECONDS)
+    assert not _errors(caplog)
+
+
+def _errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
