@@ -291,7 +291,9 @@ class Decoder:
         speculates = self.planner.speculates
         while not tracker.all_done:
             while len(reader) <= self.host_lag:
-                live = [slot for slot, done in enumerate(tracker.done) if not done]
+                live = _still_emitting(tracker, params, num_in_flight=len(reader))
+                if not live:
+                    break  # the rounds in flight end every request
                 estimates = [book.get(s, kind=params[s].greedy) for s in live] if speculates else []
                 variant = self.planner.plan(bucket, params, estimates)
                 reader.submit(self.round_runner(bucket, variant=variant), tag=variant)
@@ -479,6 +481,23 @@ class Decoder:
     def move(self, bucket: int, sources: Sequence[int], dests: Sequence[int]) -> None:
         """Move live slots of the bucket's state into free ones (slots.move)."""
         move(self.state(bucket), sources, dests)
+
+
+def _still_emitting(
+    tracker: SlotTracker, params: Sequence[SamplingParams], *, num_in_flight: int
+) -> list[int]:
+    """The slots not done that a round launched now may still emit for: a round emits at
+    least one token for each request it does not end, so a request with no more tokens left
+    than rounds in flight (launched, not read) ends with them."""
+    return [
+        slot
+        for slot, done in enumerate(tracker.done)
+        if not done
+        and (
+            not num_in_flight
+            or params[slot].max_new_tokens - tracker.num_tokens[slot] > num_in_flight
+        )
+    ]
 
 
 def settle_heap() -> None:

@@ -92,10 +92,11 @@ def row_finish(row: list[int]) -> str:
 
 class SlotTracker:
     """The host's view of a static batch, updated from reports: which slots are done, and each
-    slot's rounds and accepted draft tokens."""
+    slot's tokens, rounds and accepted draft tokens."""
 
     def __init__(self, num_slots: int) -> None:
         self.done = [False] * num_slots
+        self.num_tokens = [0] * num_slots
         self.num_rounds = [0] * num_slots
         self.num_accepted = [0] * num_slots
 
@@ -110,7 +111,9 @@ class SlotTracker:
         for slot, row in enumerate(rows[: len(self.done)]):
             was_done = self.done[slot]
             ended = bool(row[cols.DONE]) and not was_done
-            step.append((row_tokens(row), row_finish(row) if ended else None))
+            tokens = row_tokens(row)
+            self.num_tokens[slot] += len(tokens)
+            step.append((tokens, row_finish(row) if ended else None))
             self.done[slot] = bool(row[cols.DONE])
             if counts_round and not was_done:
                 self.num_rounds[slot] += 1

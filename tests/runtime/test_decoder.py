@@ -258,6 +258,32 @@ def test_stop_ids_max_new_zero_and_statistics(target):
     assert most - 2 <= end <= most
 
 
+@pytest.mark.parametrize("speculates", [False, True], ids=["plain", "trees"])
+def test_a_host_reading_a_round_late_launches_no_round_after_the_last(target, speculates):
+    """One round behind the device, as on CUDA (`Decoder.host_lag`): a request with no more
+    tokens left than rounds in flight ends with them, so plain decoding of 7 tokens launches
+    6 rounds after the prefill, none unread; with trees every request still decodes what
+    the reference does."""
+    trees = {1: TreeShape(4, 3, 10), 2: TreeShape(2, 2, 4)} if speculates else {1: None}
+    decoder = _decoder(target, trees=trees | {4: None})
+    decoder.host_lag = 1
+    launched = []
+    runner = decoder.round_runner
+
+    def counting(bucket, *, variant=None):
+        launched.append(variant)
+        return runner(bucket, variant=variant)
+
+    decoder.round_runner = counting
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (7, 4)]
+    stats = DecodeStats()
+    assert decode_tokens(decoder, PROMPTS[:2], params, stats=stats) == _reference(
+        target, PROMPTS[:2], params
+    )
+    if not speculates:
+        assert len(launched) == stats.num_rounds == 6
+
+
 def test_requests_that_do_not_fit_are_refused_before_any_state_changes(target):
     decoder = _decoder(target)
     params = SamplingParams(max_new_tokens=10)
