@@ -18,6 +18,7 @@ a second table gives them per point; prompts without a category count only in th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -156,52 +157,55 @@ def run(args: argparse.Namespace) -> int:
         )
     plain.close()
     records = []
-    sides = [(shape, "fixed") for shape in shapes] + [(shapes[0], name) for name in args.policy]
-    for shape, policy in sides:
-        trees = _policy_trees(args) if policy != "fixed" and args.default_trees else {1: shape}
-        side_config = dataclasses.replace(config, trees=trees, policy=policy)
-        spec = Engine(model, tokenizer, side_config, head=head, acceptance=loaded.acceptance)
-        for temperature, batch_size in points:
-            spec_stats, per_request = measure(
-                spec,
-                prompts,
-                _params(args, temperature),
-                batch_size,
-                profile=profile,
-                repeats=args.repeats,
-            )
-            record = point_record(
-                side_config.tree_for(batch_size),
-                temperature,
-                spec_stats,
-                baselines[temperature, batch_size],
-                max(len(prompts), batch_size),
-                policy=policy,
-            )
-            request_categories = filled(categories, batch_size) * args.repeats
-            by_category = category_fields(request_categories, per_request)
-            # Each request's (rounds, accepted drafts), in the order `measure` returns them:
-            # what a live run and a replay of it (--cost-profile) compare request by request.
-            requests = [[r.num_rounds, r.num_accepted] for r in per_request]
-            # What the policy took each round to cost when the point ended: beside the fixed
-            # trees' measured round_ms, whether its choices followed from wrong costs.
-            costs = {"policy_round_ms": spec.round_costs()} if policy != "fixed" else {}
-            records.append(
-                {
-                    **record,
-                    "batch_size": batch_size,
-                    "repeats": args.repeats,
-                    **by_category,
-                    **costs,
-                    "requests": requests,
-                }
-            )
-        spec.close()
-    lines = [json.dumps(record) for record in records]
-    for line in lines:
-        print(line)
-    if args.json:
-        Path(args.json).write_text("".join(line + "\n" for line in lines))
+    # Each point's line is written as soon as it is measured: a run cut short keeps them.
+    with contextlib.ExitStack() as stack:
+        json_file = stack.enter_context(Path(args.json).open("w")) if args.json else None
+        sides = [(shape, "fixed") for shape in shapes] + [(shapes[0], name) for name in args.policy]
+        for shape, policy in sides:
+            trees = _policy_trees(args) if policy != "fixed" and args.default_trees else {1: shape}
+            side_config = dataclasses.replace(config, trees=trees, policy=policy)
+            spec = Engine(model, tokenizer, side_config, head=head, acceptance=loaded.acceptance)
+            for temperature, batch_size in points:
+                spec_stats, per_request = measure(
+                    spec,
+                    prompts,
+                    _params(args, temperature),
+                    batch_size,
+                    profile=profile,
+                    repeats=args.repeats,
+                )
+                record = point_record(
+                    side_config.tree_for(batch_size),
+                    temperature,
+                    spec_stats,
+                    baselines[temperature, batch_size],
+                    max(len(prompts), batch_size),
+                    policy=policy,
+                )
+                request_categories = filled(categories, batch_size) * args.repeats
+                by_category = category_fields(request_categories, per_request)
+                # Each request's (rounds, accepted drafts), in the order `measure` returns them:
+                # what a live run and a replay of it (--cost-profile) compare request by request.
+                requests = [[r.num_rounds, r.num_accepted] for r in per_request]
+                # What the policy took each round to cost when the point ended: beside the fixed
+                # trees' measured round_ms, whether its choices followed from wrong costs.
+                costs = {"policy_round_ms": spec.round_costs()} if policy != "fixed" else {}
+                records.append(
+                    {
+                        **record,
+                        "batch_size": batch_size,
+                        "repeats": args.repeats,
+                        **by_category,
+                        **costs,
+                        "requests": requests,
+                    }
+                )
+                line = json.dumps(records[-1])
+                print(line, flush=True)
+                if json_file is not None:
+                    json_file.write(line + "\n")
+                    json_file.flush()
+            spec.close()
     if args.plot:
         plot_records(records, args.plot)
     print(format_table(records))

@@ -23,7 +23,7 @@ import pytest
 import torch
 from graphs.artifacts_child import decode, prompts
 
-from specrun.models.loading import load_target, save_target
+from specrun.models.loading import load_draft, load_target, save_draft, save_target
 from specrun.runtime import aot, cost_profile
 from specrun.runtime.config import EngineConfig, SamplingParams, default_trees, stochastic_trees
 from specrun.runtime.decoder import Decoder
@@ -32,17 +32,19 @@ from specrun.runtime.graphs import artifacts
 from specrun.runtime.tree import TreeShape
 from specrun.tools import cli
 from specrun.tools import compile as compile_tool
-from tiny_models import random_llama, tiny_config
+from tiny_models import random_head, random_llama, tiny_config
 
 CHILD = Path(__file__).with_name("artifacts_child.py")
-# What artifacts_child.py builds with by default.
+# What the `built` fixture builds: artifacts_child.py with a head, buckets 1 and 2 and a
+# stochastic tree.
 CONFIG = EngineConfig(
     device="cpu",
     dtype="float32",
-    buckets=(1,),
-    trees={1: TreeShape(2, 2, 4)},
+    buckets=(1, 2),
+    trees={1: TreeShape(2, 2, 4, stochastic=True)},
     max_seq_len=64,
     compile=True,
+    policy="fixed",
 )
 
 
@@ -72,21 +74,30 @@ def precompiled_calls(report: dict) -> int:
     return sum(step["precompiled_calls"] for step in report["steps"].values())
 
 
+def build_args(root: Path) -> list[str]:
+    return ["--draft", str(root / "head"), "--buckets", "1", "2", "--stochastic"]
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, Path, dict]:
-    """(root with model/ and artifacts/, the Inductor cache the children share, the compiling
-    process's report). The build compiles into a private directory, so the shared cache
-    holds only Inductor's CPU probes, never a compiled graph."""
+    """(root with model/, head/ and artifacts/, the Inductor cache the children share, the
+    compiling process's report): a one-layer target with an EAGLE-3 head, buckets 1 and 2
+    (prefill graphs for batch 1 and for batch > 1, the draft's too), a stochastic tree, and
+    rounds for greedy and for sampling requests (the sampled and the top-k round). The build
+    compiles into a private directory, so the shared cache holds only Inductor's CPU probes,
+    never a compiled graph."""
     root = tmp_path_factory.mktemp("aot")
-    save_target(random_llama(tiny_config(num_layers=1)), root / "model")
+    target = random_llama(tiny_config(num_layers=1))
+    save_target(target, root / "model")
+    save_draft(random_head("eagle3", target), root / "head")
     cache = root / "inductor-cache"
-    return root, cache, run_child("build", root, cache=cache)
+    return root, cache, run_child("build", root, *build_args(root), cache=cache)
 
 
 def test_a_fresh_process_decodes_like_the_build_and_eager_without_tracing(built):
     root, cache, build = built
     assert not (cache / "fxgraph").exists(), "the build must not compile into the shared cache"
-    loaded = run_child("load", root, cache=cache)
+    loaded = run_child("load", root, *build_args(root), cache=cache)
     assert loaded["outputs"] == build["outputs"]
     assert greedy_outputs(build) == build["eager_greedy_outputs"]
     assert build["counters"]["dynamo_graphs"] > 0
@@ -96,27 +107,7 @@ def test_a_fresh_process_decodes_like_the_build_and_eager_without_tracing(built)
     # Nothing is traced (every step, the dynamic prefill included, is precompiled), lowered
     # or compiled: the artifacts' Triton/C++ kernels come from the mega-cache.
     assert counters["dynamo_graphs"] == 0 and counters["fxgraph_cache_miss"] == 0
-    assert jit_compiles(loaded) == {} and precompiled_calls(loaded) > 0
-
-
-def test_speculative_steps_and_both_prefill_graphs_load_without_tracing(tmp_path):
-    """A head, two buckets (prefill graphs for batch 1 and batch > 1, the draft's too), a
-    stochastic tree and sampling with and without temperature (its sampled and greedy
-    rounds): the loaded process traces nothing and decodes like the build."""
-    from specrun.models.loading import save_draft
-    from tiny_models import random_head
-
-    target = random_llama(tiny_config(num_layers=1))
-    save_target(target, tmp_path / "model")
-    save_draft(random_head("eagle3", target), tmp_path / "head")
-    extra = ["--draft", str(tmp_path / "head"), "--buckets", "1", "2", "--stochastic"]
-    cache = tmp_path / "inductor-cache"
-    build = run_child("build", tmp_path, *extra, cache=cache)
-    loaded = run_child("load", tmp_path, *extra, cache=cache)
-    assert loaded["outputs"] == build["outputs"]
-    assert greedy_outputs(build) == build["eager_greedy_outputs"]
-    assert loaded["counters"]["dynamo_graphs"] == 0
-    assert jit_compiles(build) == {} and jit_compiles(loaded) == {}
+    assert jit_compiles(loaded) == {}
     assert {name for name, s in loaded["steps"].items() if s["precompiled_calls"]} == {
         "round",
         "prefill_target",
@@ -128,20 +119,29 @@ def test_the_manifest_records_what_was_built(built):
     root, _, _ = built
     manifest = artifacts.read_manifest(root / "artifacts", rebuild="")
     assert manifest.torch == torch.__version__ and manifest.device == "cpu"
-    assert manifest.dtype == "float32" and manifest.buckets == (1,)
-    assert manifest.trees == ("none",) and manifest.head is None  # no head: plain decoding
-    assert manifest.precompiled == ("decode-0", "prefill_target-0")
+    assert manifest.dtype == "float32" and manifest.buckets == (1, 2)
+    assert manifest.trees == (repr(CONFIG.tree_for(1)),) * 2 and manifest.head is not None
+    # Prefill graphs for batch 1 and for batch > 1; rounds for greedy and sampling batches
+    # in each bucket.
+    assert manifest.precompiled == (
+        *("prefill_draft-0", "prefill_draft-1", "prefill_target-0", "prefill_target-1"),
+        *("round-0", "round-1", "round-2", "round-3"),
+    )
     names = {name for name, _ in manifest.files}
-    assert {"compile_cache.bin", "cpu_kernels.zip", "steps/decode-0.bin"} <= names
+    assert {"compile_cache.bin", "cpu_kernels.zip", "steps/round-3.bin"} <= names
     artifacts.check_files(root / "artifacts", manifest, rebuild="")
 
 
-def _decoder(root: Path, config: EngineConfig = CONFIG, **model_overrides) -> Decoder:
+def _decoder(
+    root: Path, config: EngineConfig = CONFIG, *, head: bool = True, **model_overrides
+) -> Decoder:
+    """A decoder of root's model (and head), or of a random target whose config differs by
+    `model_overrides` (with a random head)."""
     if model_overrides:
         target = random_llama(tiny_config(num_layers=1, **model_overrides))
-    else:
-        target = load_target(root / "model", dtype=config.resolved_dtype(), device="cpu")
-    return Decoder(target, None, config)
+        return Decoder(target, random_head("eagle3", target), config)
+    target = load_target(root / "model", dtype=config.resolved_dtype(), device="cpu")
+    return Decoder(target, load_draft(root / "head", target=target) if head else None, config)
 
 
 def _copy(built, tmp_path: Path) -> Path:
@@ -167,7 +167,7 @@ def test_artifacts_for_another_torch_are_refused_with_the_rebuild_command(built,
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"buckets": (1, 2)}, "buckets=(1,) but this process has (1, 2)"),
+        ({"buckets": (1,)}, "buckets=(1, 2) but this process has (1,)"),
         ({"dtype": "bfloat16"}, "dtype='float32' but this process has 'bfloat16'"),
         ({"max_seq_len": 96}, "max_seq_len=64 but this process has 96"),
         ({"model": {"hidden_size": 48}}, "model="),
@@ -201,8 +201,8 @@ def test_damaged_or_missing_artifacts_are_refused(built, tmp_path):
 def test_compile_command_is_idempotent(built, capsys):
     root, _, _ = built
     args = ["compile", "--model", str(root / "model"), "--out", str(root / "artifacts")]
-    args += ["--device", "cpu", "--dtype", "float32", "--buckets", "1", "--tree", "2", "2", "4"]
-    args += ["--max-seq-len", "64", "--skip-filtered"]
+    args += ["--device", "cpu", "--dtype", "float32", "--tree", "2", "2", "4"]
+    args += ["--max-seq-len", "64", "--skip-filtered", "--policy", "fixed", *build_args(root)]
     assert cli.main(args) == 0
     assert "is up to date" in capsys.readouterr().out
 
@@ -325,12 +325,16 @@ def test_compile_jobs_build_parts_that_load_together(tmp_path, capsys):
     loaded = run_child("load", tmp_path, "--buckets", "1", "2", cache=cache)
     assert jit_compiles(loaded) == {} and precompiled_calls(loaded) > 0, loaded["steps"]
     assert loaded["counters"]["dynamo_graphs"] == 0
-    eager = _decoder(tmp_path, dataclasses.replace(CONFIG, buckets=(1, 2), compile=False))
+    config = EngineConfig(
+        device="cpu", dtype="float32", buckets=(1, 2), trees={1: TreeShape(2, 2, 4)},
+        max_seq_len=64, compile=True,
+    )  # fmt: skip
+    eager = _decoder(tmp_path, dataclasses.replace(config, compile=False), head=False)
     greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
     expected = [decode(eager, prompts(b), greedy) for b in (1, 2)]
     assert loaded["outputs"][::2] == expected  # greedy, then sampled, per bucket
 
-    decoder = _decoder(tmp_path, dataclasses.replace(CONFIG, buckets=(1, 2)))
+    decoder = _decoder(tmp_path, config, head=False)
     with pytest.raises(ValueError, match=r"hold buckets \[1\] but this engine also needs \[2\]"):
         aot.load_into(decoder, parts[0], rebuild="x")
     with pytest.raises(ValueError, match="buckets to build must be some of"):
