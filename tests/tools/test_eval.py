@@ -240,6 +240,29 @@ def test_eval_measures_each_batch_size(model_dir, prompts_file, tmp_path):
     assert records[0]["baseline_wall_seconds"] != records[1]["baseline_wall_seconds"]
 
 
+def test_eval_keeps_the_points_measured_before_a_run_is_cut_short(
+    model_dir, prompts_file, tmp_path, monkeypatch
+):
+    """Each point's JSON line is in the --json file as soon as it is measured: a run that
+    stops at its second tree keeps the first tree's points."""
+    from specrun.tools import eval as eval_tool
+
+    calls = []
+
+    def measure_or_stop(*args, **kwargs):
+        calls.append(args[0])
+        if len(set(calls)) == 3:  # the plain engine, the first tree's, the second tree's
+            raise KeyboardInterrupt
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(eval_tool, "measure", measure_or_stop)
+    options = ["--temperatures", "0", "--max-new-tokens", "4", "--trees", "3,2,5", "2,2,3"]
+    with pytest.raises(KeyboardInterrupt):
+        _eval_records(model_dir, prompts_file, tmp_path, *options)
+    records = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(r["depth"], r["topk"], r["nodes"]) for r in records] == [(3, 2, 5)]
+
+
 def test_eval_repeats_every_point(model_dir, prompts_file, tmp_path):
     """--repeats: each point decodes its prompts that many times and reports the totals, each
     pass's requests in prompt order (greedy: the same rounds every pass)."""
