@@ -12,7 +12,8 @@ Two ways to get there:
   spawn context, daemon processes), meeting them through a TCP store on a free local port.
   Each started rank runs `entry(ranks, *args)` and exits when it returns, or at once when
   this process disappears (`_exit_with_parent`); it logs at this process's root level, each
-  line marked with its rank. `Ranks.close` joins them, terminating those that do not end in
+  line marked with its rank, and prints every thread's Python stack on SIGUSR1 (a rank that
+  seems stuck says where). `Ranks.close` joins them, terminating those that do not end in
   time. A started rank that exits while the ranks are open is logged as an error at once
   (`_watch_workers`): rank 0 may then wait in a collective that will never complete, and
   the log says why.
@@ -29,8 +30,10 @@ and oversubscribed cores make every wait as long as a scheduler time slice.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -258,9 +261,11 @@ def _rank_main(
     entry: Callable[..., None],
     args: tuple,
 ) -> None:
-    """A started rank's process: log as rank 0 does, join rank 0, run `entry`, leave the
-    groups."""
+    """A started rank's process: log as rank 0 does (stacks on SIGUSR1), join rank 0, run
+    `entry`, leave the groups."""
     logging.basicConfig(level=log_level, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     _exit_with_parent(parent_pid)
     store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=START_TIMEOUT)
     store.set(_READY_KEY.format(rank=rank), "1")

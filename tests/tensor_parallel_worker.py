@@ -12,6 +12,7 @@ import contextlib
 import io
 import logging
 import os
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -154,8 +155,9 @@ def cli_rank(rank: int, world_size: int, port: int, argv: list[str], result: str
     torch.save((status, out.getvalue()), result)
 
 
-def exit_rank(ranks, code: int) -> None:
-    """A started rank (runtime/ranks.py `spawn_ranks` entry) that logs a line, then dies with
-    exit code `code` without leaving its groups."""
+def exit_rank(ranks, code: int, *, after: float = 0.0) -> None:
+    """A started rank (runtime/ranks.py `spawn_ranks` entry) that logs a line, sleeps for
+    `after` seconds, then dies with exit code `code` without leaving its groups."""
     logging.getLogger("specrun.tests").info("rank %d leaving", ranks.rank)
+    time.sleep(after)
     os._exit(code)

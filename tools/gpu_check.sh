@@ -44,7 +44,12 @@ case $part in
         # Both ranks' output uncaptured (rank 1 writes to the inherited stderr) and NCCL's
         # warnings: a call that runs out shows how far each rank got.
         export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-        logging=(-s -o log_cli=true --log-cli-level=INFO) ;;
+        logging=(-s -o log_cli=true --log-cli-level=INFO)
+        # Stacks before the deadline: rank 0's by pytest's faulthandler (it may then crash:
+        # a dump during compilation can), the started ranks' on SIGUSR1 (runtime/ranks.py).
+        stacks_at=$(( ${SPECRUN_TEST_TIMEOUT:-540} - 30 ))
+        logging+=(-o faulthandler_timeout=$stacks_at)
+        (sleep $(( stacks_at + 5 )); pkill -USR1 -f spawn_main) & ;;
     all) selection=(tests) ;;
     *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts, tp or all" >&2; exit 2 ;;
 esac

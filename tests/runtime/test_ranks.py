@@ -1,11 +1,15 @@
 """The ranks a tensor-parallel engine starts (runtime/ranks.py `spawn_ranks`), on the CPU: a
 started rank logs at rank 0's level with its rank on every line, and one that exits while
 the ranks are open is logged as an error naming it and its exit code (rank 0 would
-otherwise wait for it in a collective with nothing in the log)."""
+otherwise wait for it in a collective with nothing in the log); a started rank prints its
+stacks on SIGUSR1."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import signal
 import time
 
 from tensor_parallel_worker import exit_rank
@@ -13,17 +17,23 @@ from tensor_parallel_worker import exit_rank
 from specrun.runtime.ranks import WATCH_SECONDS, spawn_ranks
 
 
-def test_a_started_rank_that_exits_is_logged_and_its_lines_carry_its_rank(caplog, capfd):
+def test_a_started_rank_logs_with_its_rank_prints_its_stacks_and_its_exit_is_logged(caplog, capfd):
     caplog.set_level(logging.INFO)
-    ranks = spawn_ranks(2, device_type="cpu", entry=exit_rank, args=(3,))
+    ranks = spawn_ranks(
+        2, device_type="cpu", entry=functools.partial(exit_rank, after=2.0), args=(3,)
+    )
     try:
+        if hasattr(signal, "SIGUSR1"):
+            os.kill(ranks.workers[0].pid, signal.SIGUSR1)
         deadline = time.monotonic() + 20 * WATCH_SECONDS
         while time.monotonic() < deadline and not _errors(caplog):
             time.sleep(0.1)
         assert any("specrun-rank1 exited with code 3" in m for m in _errors(caplog))
     finally:
         ranks.close()
-    assert "rank 1: INFO specrun.tests: rank 1 leaving" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "rank 1: INFO specrun.tests: rank 1 leaving" in err
+    assert "in _rank_main" in err or not hasattr(signal, "SIGUSR1")
 
 
 def test_ranks_closed_normally_log_no_error(caplog):
