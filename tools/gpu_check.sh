@@ -48,8 +48,7 @@ case $part in
         # Stacks before the deadline: rank 0's by pytest's faulthandler (it may then crash:
         # a dump during compilation can), the started ranks' on SIGUSR1 (runtime/ranks.py).
         stacks_at=$(( ${SPECRUN_TEST_TIMEOUT:-540} - 30 ))
-        logging+=(-o faulthandler_timeout=$stacks_at)
-        (sleep $(( stacks_at + 5 )); pkill -USR1 -f spawn_main) & ;;
+        logging+=(-o faulthandler_timeout=$stacks_at) ;;
     all) selection=(tests) ;;
     *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts, tp or all" >&2; exit 2 ;;
 esac
@@ -62,8 +61,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
     | tee -a "$OUT/device.txt"
 status=0
 log="$OUT/gpu_tests_$part.log"
+if [ -n "${stacks_at:-}" ]; then
+    (sleep $(( stacks_at + 5 )); pkill -USR1 -f spawn_main) > /dev/null 2>&1 &
+    stack_signal=$!
+fi
 timeout -s INT "${SPECRUN_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider "${logging[@]}" \
     --durations=0 "${selection[@]}" "$@" > "$log" 2>&1 || status=1
+if [ -n "${stack_signal:-}" ]; then kill "$stack_signal" 2> /dev/null; fi
 grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|s (call|setup) " "$log"
 if [ -n "${SPECRUN_BENCH:-}" ]; then
     timeout 300 python3 -m specrun.tools.cli bench kernels --json "$OUT/bench_kernels.jsonl" \
