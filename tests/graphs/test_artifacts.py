@@ -35,12 +35,12 @@ from specrun.tools import compile as compile_tool
 from tiny_models import random_head, random_llama, tiny_config
 
 CHILD = Path(__file__).with_name("artifacts_child.py")
-# What the `built` fixture builds: artifacts_child.py with a head, buckets 1 and 2 and a
-# stochastic tree.
+# What the `built` fixture builds: artifacts_child.py with a head, bucket 2 and a stochastic
+# tree.
 CONFIG = EngineConfig(
     device="cpu",
     dtype="float32",
-    buckets=(1, 2),
+    buckets=(2,),
     trees={1: TreeShape(2, 2, 4, stochastic=True)},
     max_seq_len=64,
     compile=True,
@@ -75,15 +75,16 @@ def precompiled_calls(report: dict) -> int:
 
 
 def build_args(root: Path) -> list[str]:
-    return ["--draft", str(root / "head"), "--buckets", "1", "2", "--stochastic"]
+    return ["--draft", str(root / "head"), "--buckets", "2", "--stochastic"]
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, Path, dict]:
     """(root with model/, head/ and artifacts/, the Inductor cache the children share, the
-    compiling process's report): a one-layer target with an EAGLE-3 head, buckets 1 and 2
-    (prefill graphs for batch 1 and for batch > 1, the draft's too), a stochastic tree, and
-    rounds for greedy and for sampling requests (the sampled and the top-k round). The build
+    compiling process's report): a one-layer target with an EAGLE-3 head, bucket 2 (the
+    target's and the draft's prefill graphs for batches over 1: the batch-1 graphs load as
+    `test_compile_jobs_build_parts_that_load_together` shows), a stochastic tree, and rounds
+    for greedy and for sampling requests. The build
     compiles into a private directory, so the shared cache holds only Inductor's CPU probes,
     never a compiled graph."""
     root = tmp_path_factory.mktemp("aot")
@@ -119,16 +120,12 @@ def test_the_manifest_records_what_was_built(built):
     root, _, _ = built
     manifest = artifacts.read_manifest(root / "artifacts", rebuild="")
     assert manifest.torch == torch.__version__ and manifest.device == "cpu"
-    assert manifest.dtype == "float32" and manifest.buckets == (1, 2)
-    assert manifest.trees == (repr(CONFIG.tree_for(1)),) * 2 and manifest.head is not None
-    # Prefill graphs for batch 1 and for batch > 1; rounds for greedy and sampling batches
-    # in each bucket.
-    assert manifest.precompiled == (
-        *("prefill_draft-0", "prefill_draft-1", "prefill_target-0", "prefill_target-1"),
-        *("round-0", "round-1", "round-2", "round-3"),
-    )
+    assert manifest.dtype == "float32" and manifest.buckets == (2,)
+    assert manifest.trees == (repr(CONFIG.tree_for(2)),) and manifest.head is not None
+    # The prefill graphs of the target and the head; rounds for greedy and sampling batches.
+    assert manifest.precompiled == ("prefill_draft-0", "prefill_target-0", "round-0", "round-1")
     names = {name for name, _ in manifest.files}
-    assert {"compile_cache.bin", "cpu_kernels.zip", "steps/round-3.bin"} <= names
+    assert {"compile_cache.bin", "cpu_kernels.zip", "steps/round-1.bin"} <= names
     artifacts.check_files(root / "artifacts", manifest, rebuild="")
 
 
@@ -167,7 +164,7 @@ def test_artifacts_for_another_torch_are_refused_with_the_rebuild_command(built,
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"buckets": (1,)}, "buckets=(1, 2) but this process has (1,)"),
+        ({"buckets": (1, 2)}, "buckets=(2,) but this process has (1, 2)"),
         ({"dtype": "bfloat16"}, "dtype='float32' but this process has 'bfloat16'"),
         ({"max_seq_len": 96}, "max_seq_len=64 but this process has 96"),
         ({"model": {"hidden_size": 48}}, "model="),
