@@ -37,7 +37,7 @@ from .prefill import (
     state_capacity,
 )
 from .prefill_runner import PrefillRunner
-from .reports import ReportReader, SlotTracker, Step, host_lag, row_signals
+from .reports import ReportReader, SlotTracker, Step, host_lag, may_still_emit, row_signals
 from .requests import check_requests
 from .round import (
     ReportColumns,
@@ -486,17 +486,12 @@ class Decoder:
 def _still_emitting(
     tracker: SlotTracker, params: Sequence[SamplingParams], *, num_in_flight: int
 ) -> list[int]:
-    """The slots not done that a round launched now may still emit for: a round emits at
-    least one token for each request it does not end, so a request with no more tokens left
-    than rounds in flight (launched, not read) ends with them."""
+    """The slots not done that a round launched now may still emit for (`may_still_emit`)."""
     return [
         slot
         for slot, done in enumerate(tracker.done)
         if not done
-        and (
-            not num_in_flight
-            or params[slot].max_new_tokens - tracker.num_tokens[slot] > num_in_flight
-        )
+        and may_still_emit(params[slot].max_new_tokens - tracker.num_tokens[slot], num_in_flight)
     ]
 
 

@@ -72,6 +72,14 @@ class ReportReader:
         return report.tolist(), start.elapsed_time(end) / 1e3, tag
 
 
+def may_still_emit(tokens_left: int, num_in_flight: int) -> bool:
+    """Whether a round launched now may emit for a request with `tokens_left` as far as the
+    reports read say: a round emits at least one token for each request it does not end, so
+    a request with no more tokens left than rounds in flight (launched, not read) ends with
+    them."""
+    return not num_in_flight or tokens_left > num_in_flight
+
+
 def row_tokens(row: list[int]) -> list[int]:
     """The tokens a report row emitted."""
     cols = ReportColumns

@@ -55,7 +55,7 @@ from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, SamplingParams
 from .decoder import Decoder, settle_heap
 from .handle import FINISH_CANCELLED, Delta, EngineClosedError, EngineOverloadedError, RequestHandle
-from .reports import ReportReader, row_finish, row_signals, row_tokens
+from .reports import ReportReader, may_still_emit, row_finish, row_signals, row_tokens
 from .round import ReportColumns
 from .round_plan import RoundVariant
 from .stats import EngineStats
@@ -431,7 +431,7 @@ class Scheduler:
         owners = self._decoding(bucket)
         in_flight = self._rounds_in_flight()
         left = {h: self._tokens_left(h) - in_flight[h] for h in owners if h is not None}
-        live = [h for h, n in left.items() if n > 0 or not in_flight[h]]
+        live = [h for h in left if may_still_emit(self._tokens_left(h), in_flight[h])]
         if not live:
             return False
         params = [h.params for h in live]

@@ -158,8 +158,7 @@ def run(args: argparse.Namespace) -> int:
     plain.close()
     records = []
     # Each point's line is written as soon as it is measured: a run cut short keeps them.
-    with contextlib.ExitStack() as stack:
-        json_file = stack.enter_context(Path(args.json).open("w")) if args.json else None
+    with Path(args.json).open("w") if args.json else contextlib.nullcontext() as json_file:
         sides = [(shape, "fixed") for shape in shapes] + [(shapes[0], name) for name in args.policy]
         for shape, policy in sides:
             trees = _policy_trees(args) if policy != "fixed" and args.default_trees else {1: shape}
