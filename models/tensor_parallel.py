@@ -149,9 +149,14 @@ class VocabParallelLMHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden_size] -> [..., vocab_size] logits."""
-        # Gathered along the leading dim (the one all_gather_single supports): the vocabulary.
+        # Gathered along the leading dim (the one the functional all-gather op supports): the
+        # vocabulary. The op itself, since its Python wrapper's name differs between torch
+        # releases (all_gather_tensor in 2.11, all_gather_single later).
         local = F.linear(hidden, self.weight).movedim(-1, 0).contiguous()
-        gathered = funcol.all_gather_single(local, 0, self.sharding.process_group)
+        group = self.sharding.process_group
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(
+            local, dist.get_world_size(group), group.group_name
+        )
         return funcol.wait_tensor(gathered).movedim(0, -1)
 
 

@@ -375,6 +375,9 @@ class Engine:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if exc_info[1] is not None and self._ranks is not None:
+            # Closing waits for the other ranks; an error that stopped one shows first.
+            logger.error("closing the tensor-parallel engine after an error", exc_info=exc_info)
         self.close()
 
     def _requests(

@@ -10,10 +10,11 @@ idle between requests for as long as it likes.
 Two ways to get there:
 - `spawn_ranks`: this process is rank 0 and starts ranks 1..N-1 itself (torch.multiprocessing,
   spawn context, daemon processes), meeting them through a TCP store on a free local port.
-  Each started rank runs `entry(ranks, *args)` and exits when it returns, or at once when
-  this process disappears (`_exit_with_parent`); it logs at this process's root level, each
-  line marked with its rank, and prints every thread's Python stack on SIGUSR1 (a rank that
-  seems stuck says where). `Ranks.close` joins them, terminating those that do not end in
+  Each started rank runs `entry(ranks, *args)` and exits when it returns, at once (its
+  error logged) when it raises, or at once when this process disappears
+  (`_exit_with_parent`); it logs at this process's root level, each line marked with its
+  rank, and prints every thread's Python stack on SIGUSR1 (a rank that seems stuck says
+  where). `Ranks.close` joins them, terminating those that do not end in
   time. A started rank that exits while the ranks are open is logged as an error at once
   (`_watch_workers`): rank 0 may then wait in a collective that will never complete, and
   the log says why.
@@ -89,20 +90,14 @@ class Ranks:
         return Sharding(self.rank, self.world_size)
 
     def close(self, *, timeout: float = JOIN_SECONDS) -> None:
-        """Wait for the started ranks to exit (they do once rank 0 has sent its last command),
-        terminate those still running after `timeout` seconds, and leave the process groups.
-        Idempotent."""
+        """Leave the process groups, then wait for the started ranks to exit (they do once
+        rank 0 has sent its last command and left), terminating those still running after
+        `timeout` seconds. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._stop_watching.set()
-        deadline = time.monotonic() + timeout
-        for worker in self.workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-            if worker.is_alive():
-                logger.warning("rank process %s did not exit; terminating it", worker.name)
-                worker.terminate()
-                worker.join(5.0)
+        # Groups first: NCCL's teardown waits for every rank's, the started ones' included.
         if dist.is_initialized():
             if self.owns_group:
                 dist.destroy_process_group()
@@ -110,6 +105,13 @@ class Ranks:
                 dist.destroy_process_group(self.control)
         if self._threads is not None:
             torch.set_num_threads(self._threads)
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                logger.warning("rank process %s did not exit; terminating it", worker.name)
+                worker.terminate()
+                worker.join(5.0)
 
 
 def launched_by_torchrun() -> bool:
@@ -262,7 +264,7 @@ def _rank_main(
     args: tuple,
 ) -> None:
     """A started rank's process: log as rank 0 does (stacks on SIGUSR1), join rank 0, run
-    `entry`, leave the groups."""
+    `entry`, leave the groups; when `entry` raises, log the error and exit at once."""
     logging.basicConfig(level=log_level, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -272,8 +274,13 @@ def _rank_main(
     ranks = _init(rank, world_size, device_type, local_rank=rank, store=store)
     try:
         entry(ranks, *args)
-    finally:
-        ranks.close()
+    except BaseException:
+        # Leaving the groups would wait on collectives rank 0 never joins; the error is
+        # logged now and the process ends (rank 0's watcher reports it).
+        logger.exception("rank %d failed; exiting", rank)
+        logging.shutdown()
+        os._exit(1)
+    ranks.close()
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -73,7 +73,8 @@ def _decode(model_dir, head_dir, config: EngineConfig) -> tuple[list[list[int]],
     """Greedy tokens of the prompts, and each compiled step's compile count before and after
     the requests (the requests running with CUDA sync debugging set to error on rank 0)."""
     with Engine.from_pretrained(model_dir, draft=head_dir, config=config) as engine:
-        engine.warmup(progress=False)
+        # The prompts' prefill graphs too: compiling one later would sync inside the requests.
+        engine.warmup(progress=False, prompt_lengths=PROMPT_LENGTHS)
         before = {name: s.num_compiles for name, s in engine.decoder.compiled_steps().items()}
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
