@@ -161,3 +161,8 @@ def exit_rank(ranks, code: int, *, after: float = 0.0) -> None:
     logging.getLogger("specrun.tests").info("rank %d leaving", ranks.rank)
     time.sleep(after)
     os._exit(code)
+
+
+def failing_rank(ranks, message: str) -> None:
+    """A started rank whose command raises (as a rank's decoder operation may)."""
+    raise RuntimeError(f"rank {ranks.rank}: {message}")

@@ -2,7 +2,8 @@
 started rank logs at rank 0's level with its rank on every line, and one that exits while
 the ranks are open is logged as an error naming it and its exit code (rank 0 would
 otherwise wait for it in a collective with nothing in the log); a started rank prints its
-stacks on SIGUSR1."""
+stacks on SIGUSR1; one whose work raises logs the error and exits at once, without waiting
+to leave its groups."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import signal
 import time
 
-from tensor_parallel_worker import exit_rank
+from tensor_parallel_worker import exit_rank, failing_rank
 
 from specrun.runtime.ranks import WATCH_SECONDS, spawn_ranks
 
@@ -42,6 +43,19 @@ def test_ranks_closed_normally_log_no_error(caplog):
     ranks.close()
     time.sleep(2 * WATCH_SECONDS)
     assert not _errors(caplog)
+
+
+def test_a_started_rank_that_raises_logs_the_error_and_exits(caplog, capfd):
+    caplog.set_level(logging.INFO)
+    ranks = spawn_ranks(2, device_type="cpu", entry=failing_rank, args=("no such layer",))
+    try:
+        ranks.workers[0].join(30.0)
+        assert ranks.workers[0].exitcode == 1
+    finally:
+        ranks.close()
+    err = capfd.readouterr().err
+    assert "rank 1: ERROR specrun.runtime.ranks: rank 1 failed; exiting" in err
+    assert "RuntimeError: rank 1: no such layer" in err
 
 
 def _errors(caplog) -> list[str]:
