@@ -38,20 +38,21 @@ Policies, by `EngineConfig.policy` name:
   exploring round runs when the earnings cover what it costs over a plain round (so
   exploring costs at most that share of the time; every `EXPLORE_EVERY` rounds until both
   rounds are measured).
-  When plain decoding wins by `LEAVE_BEHIND_MARGIN` even for requests that accept what
-  their kind accepts on average (the engine's running mean, not one request's recent
-  rounds, which dip and recover with the text; in a static batch, new requests capped at
-  their kind's likely slowest as above), the policy lets the live requests' drafts
-  fall behind for good (`leaves_draft_behind`): the planner then runs bare plain steps,
-  which neither append to nor commit the pending pairs, so plain decoding costs what it
-  costs without a head. Requests that have not yet run a tree take the exploring rounds
-  the budget allows first, so the running means keep learning; for a kind left behind,
-  that budget shrinks with the share of its explored new requests that turned out worth a
-  tree (at their own estimate after the round), so a kind that never pays stops paying for
-  exploring too; the plain rounds of requests already left behind save for the next new
-  request at that shrunken share as well. New requests of such a kind are prefilled
-  without the head, their drafts behind from the start (`drafts_new`), but for one in as
-  many as that share says: a trial, run with the head, so the kind can still recover.
+  When no tree beats plain decoding by `IN_STEP_COST` (what keeping the drafts in step adds
+  to a plain round) even for requests that accept what their kind accepts on average (the
+  engine's running mean, not one request's recent rounds, which dip and recover with the
+  text; in a static batch, new requests capped at their kind's likely slowest as above), the
+  policy lets the live requests' drafts fall behind for good (`leaves_draft_behind`): the
+  planner then runs bare plain steps, which neither append to nor commit the pending pairs,
+  so plain decoding costs what it costs without a head. Requests that have not yet run a
+  tree take the exploring rounds the budget allows first, so the running means keep
+  learning; for a kind left behind, that budget shrinks with the share of its explored new
+  requests that turned out worth a tree (at their own estimate after the round), so a kind
+  that never pays stops paying for exploring too; the plain rounds of requests already left
+  behind save for the next new request at that shrunken share as well. New requests of such
+  a kind are prefilled without the head, their drafts behind from the start (`drafts_new`),
+  but for one in as many as that share says: a trial, run with the head, so the kind can
+  still recover.
 - `batch-table`: the configured tree (a batch-size schedule) until the mean accepted drafts
   per request-round over the last `WINDOW` falls below `CUTOFF`, then plain decoding for
   good (TensorRT-LLM's rule; vLLM's table without the cut-off).

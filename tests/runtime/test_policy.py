@@ -32,6 +32,7 @@ from specrun.runtime.policies.cost import (
     EXPLORE_EVERY,
     EXPLORE_SHARE,
     HYSTERESIS,
+    IN_STEP_COST,
     PLAIN_HYSTERESIS,
 )
 from specrun.runtime.round_plan import RoundPlanner, RoundVariant
@@ -189,9 +190,9 @@ def test_a_static_batch_of_new_requests_is_judged_by_its_kinds_spread():
 
 
 def test_cost_leaves_drafts_behind_only_when_requests_of_the_kind_would_not_pay():
-    """Plain decoding winning by LEAVE_BEHIND_MARGIN for requests at their kind's mean lets
-    the drafts fall behind; new requests take the exploring rounds the budget allows first;
-    one request's dip below a good mean does not leave its draft behind."""
+    """Plain decoding winning for requests at their kind's mean lets the drafts fall
+    behind; new requests take the exploring rounds the budget allows first; one request's
+    dip below a good mean does not leave its draft behind."""
     costs = _costs(GPU_COSTS)
     policy = CostPolicy()
     poor_kind = AcceptanceEstimate(alpha=0.02, prior=0.02, num_speculative_rounds=1)
@@ -213,6 +214,21 @@ def test_cost_leaves_drafts_behind_only_when_requests_of_the_kind_would_not_pay(
     # Requests already left behind: no exploring, however long.
     stale = AcceptanceEstimate(alpha=0.6, prior=0.6, in_step=False)
     assert {policy.choose(1, LADDER, [stale], costs) for _ in range(400)} == {PLAIN}
+
+
+@pytest.mark.parametrize("win", [0.0, IN_STEP_COST / 2, 2 * IN_STEP_COST])
+def test_cost_keeps_drafts_in_step_only_for_trees_that_could_repay_it(win):
+    """While plain decoding wins on a request's recent rounds, its draft is left behind
+    unless, at its kind's mean acceptance, the best tree beats plain decoding by more than
+    keeping the draft in step costs (IN_STEP_COST)."""
+    prior = 0.45
+    seconds = {v.tree: GPU_COSTS[v.tree] for v in LADDER}
+    best_rate = max((1 + expected_accepted(prior, t)) / seconds[t] for t in seconds if t)
+    seconds[None] = (1 + win) / best_rate
+    dip = AcceptanceEstimate(alpha=0.02, prior=prior, num_speculative_rounds=SPREAD_ROUNDS)
+    policy = CostPolicy()
+    assert policy.choose(1, LADDER, [dip], _costs(seconds)) == PLAIN
+    assert policy.leaves_draft_behind(1) == (win < IN_STEP_COST)
 
 
 def test_cost_runs_plain_whenever_every_draft_is_behind_whatever_the_trees_cost():
