@@ -82,7 +82,10 @@ class EngineStats:
     1 - (prefill_seconds + round_seconds) / decode_seconds is the share of busy wall time the
     device waited for the host. rounds_by_bucket: rounds per "bucket:round", the round being its
     tree and variant (RoundVariant.tag: "4:plain", "4:6,8,40", "4:6,8,40f" top-k/top-p,
-    "4:6,8,40s" stochastic).
+    "4:6,8,40s" stochastic). num_rounds_drafts_behind: the plain rounds of an engine with
+    trees that left the drafts behind (bare steps that neither append to nor commit the
+    pending pairs: the policy found no tree worth keeping them in step, or no live request's
+    draft was in step); the other plain rounds kept them in step.
     """
 
     num_requests: int = 0
@@ -93,6 +96,7 @@ class EngineStats:
     prefill_seconds: float = 0.0
     round_seconds: float = 0.0
     rounds_by_bucket: dict[str, int] = field(default_factory=dict)
+    num_rounds_drafts_behind: int = 0
     num_running: int = 0
     num_waiting: int = 0
     num_cancelled: int = 0
@@ -116,9 +120,13 @@ class EngineStats:
             found[shape] = found.get(shape, 0) + count
         return found
 
-    def add_round(self, key: str, seconds: float, histogram: list[int]) -> None:
-        """Count one round of bucket-and-variant `key` and its slots' accepted draft tokens."""
+    def add_round(
+        self, key: str, seconds: float, histogram: list[int], *, drafts_behind: bool = False
+    ) -> None:
+        """Count one round of bucket-and-variant `key` and its slots' accepted draft tokens
+        (`drafts_behind`: a plain round that left the drafts behind)."""
         self.num_rounds += 1
+        self.num_rounds_drafts_behind += drafts_behind
         self.round_seconds += seconds
         self.rounds_by_bucket[key] = self.rounds_by_bucket.get(key, 0) + 1
         totals = self.accepted_histogram

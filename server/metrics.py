@@ -74,6 +74,9 @@ class _EngineCollector(Collector):
              stats.decode_seconds),
             ("specrun_device_busy_seconds", "Seconds of prefills and rounds (GPU time on CUDA).",
              stats.prefill_seconds + stats.round_seconds),
+            ("specrun_rounds_drafts_behind", "Plain rounds that left the drafts behind (the "
+             "speculation policy judged no tree worth keeping them in step).",
+             stats.num_rounds_drafts_behind),
         ):  # fmt: skip
             yield CounterMetricFamily(name, text, value=value)
         rounds = CounterMetricFamily(

@@ -327,7 +327,8 @@ def point_record(
 ) -> dict:
     """One JSON line: the batch size's tree (with an adaptive policy: the top of its ladder)
     at a temperature against plain decoding, with the rounds each shape ran, in all and per
-    bucket ("bucket:round", what `cost_profile.charged_seconds` charges)."""
+    bucket ("bucket:round", what `cost_profile.charged_seconds` charges), and how many of
+    the plain ones left the drafts behind."""
     record = {
         "policy": policy,
         "rounds_by_shape": spec_stats.rounds_by_shape,
@@ -341,6 +342,7 @@ def point_record(
         "mean_accepted_length": spec_stats.mean_accepted_length,
         "accepted_histogram": spec_stats.accepted_histogram,
         "num_rounds": spec_stats.num_rounds,
+        "num_rounds_drafts_behind": spec_stats.num_rounds_drafts_behind,
         "num_generated_tokens": spec_stats.num_generated_tokens,
         "tokens_per_second": spec_stats.tokens_per_second,
         "baseline_tokens_per_second": plain_stats.tokens_per_second,
@@ -376,6 +378,7 @@ def _since(before: EngineStats, after: EngineStats) -> EngineStats:
             for key, count in after.rounds_by_bucket.items()
             if count > before.rounds_by_bucket.get(key, 0)
         },
+        num_rounds_drafts_behind=after.num_rounds_drafts_behind - before.num_rounds_drafts_behind,
     )
 
 

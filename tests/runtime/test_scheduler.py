@@ -292,3 +292,26 @@ def test_the_policy_sees_remaining_tokens_only_while_nobody_waits(models):
     assert waiting and all(set(seen) == {None} for seen in waiting)
     assert counted and policy.seen.index(counted[0]) > policy.seen.index(waiting[-1])
     assert all(0 <= left <= 10 for seen in counted for left in seen)
+
+
+def test_stats_count_the_plain_rounds_that_left_the_drafts_behind(models):
+    """`num_rounds_drafts_behind` counts the bare plain rounds (neither appending nor
+    committing pending pairs) of an engine with trees, not those that kept the drafts in
+    step; an engine without a head counts none of its plain rounds."""
+    target, head = models["perfect"]
+    requests = [([3 + i, 4], SamplingParams(max_new_tokens=30), 0, None) for i in range(3)]
+    scheduler = _scheduler(target, head)
+    scheduler.decoder.planner.policy = ShuffledPolicy(1, leave_behind=0.5)
+    plan, planned = scheduler.decoder.planner.plan, []
+    scheduler.decoder.planner.plan = lambda *args: planned.append(plan(*args)) or planned[-1]
+    with torch.no_grad():
+        _run(scheduler, requests)
+    plain = [v for v in planned if v.tree is None]
+    bare = [v for v in plain if not v.appends and not v.num_pending]
+    stats = scheduler.stats()
+    assert stats.num_rounds == len(planned)
+    assert 0 < stats.num_rounds_drafts_behind == len(bare) < len(plain), planned
+    headless = _scheduler(target, None)
+    with torch.no_grad():
+        _run(headless, requests)
+    assert headless.stats().num_rounds > 0 and headless.stats().num_rounds_drafts_behind == 0
