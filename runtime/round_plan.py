@@ -49,6 +49,12 @@ class RoundVariant:
         return isinstance(self.tree, TreeShape) and self.tree.stochastic
 
     @property
+    def bare(self) -> bool:
+        """A plain round that neither appends nor commits pending pairs: in a decoder that
+        speculates, one that leaves the drafts behind."""
+        return self.tree is None and not self.appends and not self.num_pending
+
+    @property
     def cost_key(self) -> RoundVariant:
         """The variant whose cost this round shares: plain rounds are one, however they treat
         the pending pairs (the average over them is what plain decoding costs)."""

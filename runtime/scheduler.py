@@ -512,10 +512,12 @@ class Scheduler:
                 self._acceptance.observe(handle, variant.tree, num_accepted, row_signals(row))
             self._deliver(handle, row)
         self.decoder.planner.done(bucket, variant, seconds, accepted)
-        bare = variant.tree is None and not variant.appends and not variant.num_pending
         with self._cond:
             self._stats.add_round(
-                f"{bucket}:{variant.tag}", seconds, histogram, drafts_behind=speculates and bare
+                f"{bucket}:{variant.tag}",
+                seconds,
+                histogram,
+                drafts_behind=speculates and variant.bare,
             )
 
     def _deliver(self, handle: RequestHandle, row: list[int]) -> None:
