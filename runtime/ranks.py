@@ -14,10 +14,10 @@ Two ways to get there:
   error logged) when it raises, or at once when this process disappears
   (`_exit_with_parent`); it logs at this process's root level, each line marked with its
   rank, and prints every thread's Python stack on SIGUSR1 (a rank that seems stuck says
-  where). `Ranks.close` joins them, terminating those that do not end in
-  time. A started rank that exits while the ranks are open is logged as an error at once
-  (`_watch_workers`): rank 0 may then wait in a collective that will never complete, and
-  the log says why.
+  where). `Ranks.close` joins them, terminating those that do not end in time. A started
+  rank that exits while the ranks are open is logged as an error at once
+  (`_watch_workers`): rank 0 may then wait in a collective that will never complete, and the
+  log says why.
 - `join_ranks`: every rank was started by a launcher (`torchrun`: RANK, WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT in the environment) or the default group is initialised already;
   this process is one of them and uses that group.
@@ -246,8 +246,9 @@ def _watch_workers(workers: list[BaseProcess], stop: threading.Event) -> None:
             if not stop.is_set():
                 logger.error(
                     "tensor-parallel rank process %s exited with code %s while the engine is "
-                    "open; its error is printed above. The engine cannot continue: rank 0 "
-                    "waits for it in every collective. Close the engine and start a new one.",
+                    "open; its error, if it had one, is in the log above. The engine cannot "
+                    "continue: rank 0 waits for it in every collective. Close the engine and "
+                    "start a new one.",
                     worker.name,
                     worker.exitcode,
                 )

@@ -430,8 +430,9 @@ class Scheduler:
         bucket = self._bucket
         owners = self._decoding(bucket)
         in_flight = self._rounds_in_flight()
-        left = {h: self._tokens_left(h) - in_flight[h] for h in owners if h is not None}
-        live = [h for h in left if may_still_emit(self._tokens_left(h), in_flight[h])]
+        tokens_left = {h: self._tokens_left(h) for h in owners if h is not None}
+        live = [h for h, n in tokens_left.items() if may_still_emit(n, in_flight[h])]
+        left = {h: n - in_flight[h] for h, n in tokens_left.items()}
         if not live:
             return False
         params = [h.params for h in live]

@@ -165,13 +165,9 @@ def run(args: argparse.Namespace) -> int:
             side_config = dataclasses.replace(config, trees=trees, policy=policy)
             spec = Engine(model, tokenizer, side_config, head=head, acceptance=loaded.acceptance)
             for temperature, batch_size in points:
+                params = _params(args, temperature)
                 spec_stats, per_request = measure(
-                    spec,
-                    prompts,
-                    _params(args, temperature),
-                    batch_size,
-                    profile=profile,
-                    repeats=args.repeats,
+                    spec, prompts, params, batch_size, profile=profile, repeats=args.repeats
                 )
                 record = point_record(
                     side_config.tree_for(batch_size),
@@ -182,21 +178,13 @@ def run(args: argparse.Namespace) -> int:
                     policy=policy,
                 )
                 request_categories = filled(categories, batch_size) * args.repeats
-                by_category = category_fields(request_categories, per_request)
-                # Each request's (rounds, accepted drafts), in the order `measure` returns them:
-                # what a live run and a replay of it (--cost-profile) compare request by request.
-                requests = [[r.num_rounds, r.num_accepted] for r in per_request]
-                # What the policy took each round to cost when the point ended: beside the fixed
-                # trees' measured round_ms, whether its choices followed from wrong costs.
-                costs = {"policy_round_ms": spec.round_costs()} if policy != "fixed" else {}
                 records.append(
                     {
                         **record,
                         "batch_size": batch_size,
                         "repeats": args.repeats,
-                        **by_category,
-                        **costs,
-                        "requests": requests,
+                        **category_fields(request_categories, per_request),
+                        **_policy_fields(spec, policy, per_request),
                     }
                 )
                 line = json.dumps(records[-1])
@@ -270,6 +258,15 @@ def measure(
         per_request += [output.stats for output in engine.generate(batch, params)]
     stats = _since(before, engine.stats())
     return (stats if profile is None else charged(stats, profile)), per_request
+
+
+def _policy_fields(spec: Engine, policy: str, per_request: list[RequestStats]) -> dict:
+    """What a point adds about the policy: what it took each round to cost when the point
+    ended (beside the fixed trees' measured round_ms: whether its choices followed from wrong
+    costs), and each request's (rounds, accepted drafts) in the order `measure` returns them
+    (what a live run and a replay of it, --cost-profile, compare request by request)."""
+    costs = {"policy_round_ms": spec.round_costs()} if policy != "fixed" else {}
+    return {**costs, "requests": [[r.num_rounds, r.num_accepted] for r in per_request]}
 
 
 def charged(stats: EngineStats, profile: cost_profile.CostProfile) -> EngineStats:
