@@ -107,6 +107,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Engine.wait_idle, without blocking the event loop."""
+        return await asyncio.to_thread(self.engine.wait_idle, timeout)
+
     def round_costs(self) -> dict[str, float]:
         """Engine.round_costs: blocks until the decoding loop is between rounds."""
         return self.engine.round_costs()

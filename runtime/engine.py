@@ -275,6 +275,13 @@ class Engine:
         """A snapshot of the running totals and the current load."""
         return self._scheduler.stats()
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every request submitted so far has finished and no round is in
+        flight, so that `stats()` holds all of their work (rounds the loop launched ahead
+        for requests that have finished included); False if `timeout` seconds pass first.
+        Returns at once once the engine is closing."""
+        return self._scheduler.wait_idle(timeout)
+
     def round_costs(self) -> dict[str, float]:
         """What the speculation policy takes each round to cost now, in milliseconds by
         "bucket:tag" (as `stats().rounds_by_bucket` names rounds): a profile's or warm-up's

@@ -5,22 +5,19 @@ Requests are submitted from any thread into a bounded FIFO waiting queue (beyond
 `EngineOverloadedError`). Between rounds the loop
 - runs calls posted to it (warm-up, which must not race the rounds);
 - retires cancelled requests (their slots are released on the device);
-- prefills up to `max_prefill_tokens` prompt tokens: first the next chunk of each prompt
-  being prefilled in chunks (oldest first), then waiting requests in FIFO order into the
-  lowest free slots while the budget lasts (a request that does not fit waits, and all
-  behind it). A prompt that fits the budget is prefilled whole: into an idle decoder as one
+- prefills up to `max_prefill_tokens` prompt tokens, chosen by runtime/admission.py: the
+  next chunk of each prompt prefilled in chunks, then waiting requests in FIFO order into
+  the lowest free slots. A prompt that fits is prefilled whole: into an idle decoder as one
   batch prefill of the bucket (its prefill graph on CUDA), into a running one with
   `Decoder.admit` (the others keep their KV caches and positions); without the head when
   the policy leaves the new requests' drafts behind from the start
-  (RoundPlanner.drafts_prompts). A longer one reserves
-  its slot and is prefilled in chunks of what is left of the budget, one chunk a pass
-  (runtime/chunked_prefill.py), so the running requests keep getting a round every pass;
-  requests behind it are admitted meanwhile when a pass's chunks leave budget. A reserved
-  slot counts as occupied (for admissions and the bucket) but stays done on the device, so
-  rounds skip it, until its last chunk installs the prompt's state into it and delivers the
-  root token. With `continuous=False` requests are admitted whole, the first always, and only
-  into an idle decoder (static batches, the baseline continuous batching is measured
-  against);
+  (RoundPlanner.drafts_prompts). A longer one reserves its slot and is prefilled in chunks,
+  one a pass (runtime/chunked_prefill.py), so the running requests keep getting a round
+  every pass. A reserved slot counts as occupied (for admissions and the bucket) but stays
+  done on the device, so rounds skip it, until its last chunk installs the prompt's state
+  into it and delivers the root token. With `continuous=False` requests are admitted
+  whole, the first always, and only into an idle decoder (static batches, the baseline
+  continuous batching is measured against);
 - runs the smallest bucket that holds the highest live slot: a batch grows into a larger
   bucket without copying (every bucket views the first slots of one store) and, when the live
   requests fit a smaller bucket and nobody waits, its live slots above that bucket move down;
@@ -44,13 +41,13 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..models.tokenizer import Tokenizer
 from .acceptance import AcceptanceEstimate
+from .admission import Prefills, take_prefills
 from .chunked_prefill import ChunkedPrefill
 from .config import PADDING_PARAMS, SamplingParams
 from .decoder import Decoder, settle_heap
@@ -207,12 +204,29 @@ class Scheduler:
         return fn() if fn_now else result.wait()
 
     def stats(self) -> EngineStats:
-        """A snapshot of the running totals and the current load."""
+        """A snapshot of the running totals and the current load. A request's rounds, tokens
+        and count are in them by the time its result is delivered; rounds launched ahead for
+        slots that have finished are counted when their reports are read (`wait_idle`)."""
         with self._cond:
             snapshot = self._stats.snapshot()
             if self._active_since is not None:
                 snapshot.decode_seconds += time.perf_counter() - self._active_since
             return snapshot
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request waits or decodes and no round is in flight, so that
+        `stats()` holds all the work submitted so far; False if `timeout` seconds pass first.
+        Returns at once when the scheduler is closing. Without a loop thread
+        (`threaded=False`) the calling thread runs the passes left."""
+        if not self._threaded:
+            while self.step():
+                pass
+            return True
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._closing or not (self._waiting or self._active_since is not None),
+                timeout,
+            )
 
     def close(self, *, cancel: bool = True) -> None:
         """Stop the loop: cancel every request (or, without `cancel`, let the running and
@@ -278,10 +292,20 @@ class Scheduler:
             result.run(fn)
         self._retire(cancels)
         with self._cond:
-            prefills = self._take_prefills()
+            free = [s for s, h in enumerate(self._slots) if h is None] if self._can_admit() else []
+            prefills = take_prefills(
+                self._waiting,
+                self._chunks,
+                free,
+                budget=self._max_prefill_tokens,
+                continuous=self._continuous,
+            )
+            self._stats.num_waiting = len(self._waiting)
+            if prefills:
+                self._mark_active()  # before the lock is left: wait_idle sees no gap
             has_waiting = bool(self._waiting)
             self._cond.notify_all()  # room in the waiting queue
-        if prefills.chunks or prefills.whole:
+        if prefills:
             self._prefill(prefills)
         self._resize(shrink=not has_waiting)
         launched = self._launch_round()
@@ -304,37 +328,6 @@ class Scheduler:
     def _can_admit(self) -> bool:
         return self._continuous or not (self._num_live() or len(self._reader))
 
-    def _take_prefills(self) -> _Prefills:
-        """This pass's prefills within the budget: the next chunk of each chunking request,
-        then waiting requests (FIFO) for the lowest free slots, whole or (longer than the
-        budget, continuous batching only) reserved for chunks; the first whole one always."""
-        prefills = _Prefills()
-        budget = self._max_prefill_tokens
-        for handle, chunked in self._chunks.items():
-            num_tokens = min(budget, chunked.num_remaining)
-            if num_tokens:
-                prefills.chunks.append((handle, num_tokens))
-                budget -= num_tokens
-        free = [slot for slot, h in enumerate(self._slots) if h is None]
-        if not self._can_admit():
-            free = []
-        while self._waiting and free:
-            length = len(self._waiting[0].prompt_token_ids)
-            if self._continuous and length > self._max_prefill_tokens:
-                if not budget:
-                    break
-                handle = self._waiting.popleft()
-                prefills.reserved.append((free.pop(0), handle))
-                prefills.chunks.append((handle, budget))
-                budget = 0
-            elif length <= budget or not (prefills.chunks or prefills.whole):
-                prefills.whole.append((free.pop(0), self._waiting.popleft()))
-                budget = max(0, budget - length)
-            else:
-                break
-        self._stats.num_waiting = len(self._waiting)
-        return prefills
-
     def _retire(self, cancels: list[RequestHandle]) -> None:
         """Free the slots of cancelled requests (marked done on the device) and end them."""
         slots = []
@@ -346,12 +339,13 @@ class Scheduler:
                 if owner is handle:
                     self._slots[slot] = None
                     slots.append(slot)
+            with self._cond:
+                self._stats.num_cancelled += 1
             self._finish(handle, FINISH_CANCELLED)
-            self._stats.num_cancelled += 1
         if slots:
             self.decoder.release(self._bucket, slots)
 
-    def _prefill(self, prefills: _Prefills) -> None:
+    def _prefill(self, prefills: Prefills) -> None:
         """Reserve the slots of requests starting chunks, run the pass's chunks, then prefill
         the requests admitted whole."""
         for slot, handle in prefills.reserved:
@@ -502,16 +496,16 @@ class Scheduler:
         speculates = self.decoder.planner.speculates
         histogram = [0] * (self.decoder.max_depth + 1)
         accepted = []
-        for row, handle in zip(rows, owners, strict=True):
-            if handle is None or handle.done:
-                continue
+        live = [
+            (row, h) for row, h in zip(rows, owners, strict=True) if h is not None and not h.done
+        ]
+        for row, handle in live:
             num_accepted = row[ReportColumns.NUM_ACCEPTED]
             handle._count_round(num_accepted)
             histogram[num_accepted] += 1
             accepted.append(num_accepted)
             if speculates:
                 self._acceptance.observe(handle, variant.tree, num_accepted, row_signals(row))
-            self._deliver(handle, row)
         self.decoder.planner.done(bucket, variant, seconds, accepted)
         with self._cond:
             self._stats.add_round(
@@ -520,6 +514,9 @@ class Scheduler:
                 histogram,
                 drafts_behind=speculates and variant.bare,
             )
+        # After the round is counted: a caller woken by its result sees it in the stats.
+        for row, handle in live:
+            self._deliver(handle, row)
 
     def _deliver(self, handle: RequestHandle, row: list[int]) -> None:
         tokens = row_tokens(row)
@@ -535,10 +532,10 @@ class Scheduler:
 
     def _finish(self, handle: RequestHandle, reason: str, tokens: list[int] = ()) -> None:
         self._acceptance.forget(handle)
-        handle._deliver(list(tokens), reason)
         with self._cond:
             self._stats.num_requests += 1
             self._stats.num_running = self._num_live()
+        handle._deliver(list(tokens), reason)
 
     def _mark_active(self) -> None:
         with self._cond:
@@ -551,6 +548,7 @@ class Scheduler:
             if self._active_since is not None:
                 self._stats.decode_seconds += time.perf_counter() - self._active_since
                 self._active_since = None
+                self._cond.notify_all()  # wait_idle
 
     def _fail_all(self) -> None:
         with self._cond:
@@ -562,14 +560,3 @@ class Scheduler:
             self._cond.notify_all()
         for handle in handles:
             handle._deliver([], FINISH_CANCELLED)
-
-
-@dataclass
-class _Prefills:
-    """One pass's prefills: chunks to run (request, most tokens), oldest first, among them
-    the first chunks of the requests given reserved slots (slot, request); requests admitted
-    whole (slot, request)."""
-
-    chunks: list[tuple[RequestHandle, int]] = field(default_factory=list)
-    reserved: list[tuple[int, RequestHandle]] = field(default_factory=list)
-    whole: list[tuple[int, RequestHandle]] = field(default_factory=list)

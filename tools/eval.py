@@ -246,6 +246,7 @@ def measure(
     prompt_lengths = [len(engine.encode_prompt(prompt)) for prompt in prompts]
     engine.warmup(progress=False, prompt_lengths=prompt_lengths)
     engine.generate(prompts[0], _warmup_params(params))
+    engine.wait_idle()  # the warm-up's last rounds are counted before the snapshot
     before = engine.stats()
     side = "plain"
     if engine.head is not None:
@@ -256,6 +257,7 @@ def measure(
     per_request = []
     for batch in tqdm(batches * repeats, desc=desc, unit="batch"):
         per_request += [output.stats for output in engine.generate(batch, params)]
+    engine.wait_idle()
     stats = _since(before, engine.stats())
     return (stats if profile is None else charged(stats, profile)), per_request
 

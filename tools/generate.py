@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    engine.wait_idle()
     stats = engine.stats()
     accepted = ""
     if engine.head is not None:

@@ -74,6 +74,7 @@ def measure(
         seconds += time.perf_counter() - started
         num_tokens += len(out.token_ids)
         num_rounds += out.stats.num_rounds
+    engine.wait_idle()
     shapes = engine.stats().rounds_by_shape
     device = str(engine.decoder.device)
     engine.close()

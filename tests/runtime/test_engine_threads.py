@@ -105,6 +105,18 @@ def test_a_closed_stream_cancels_its_request_and_frees_its_slot(engine):
     _wait_for(lambda: engine.stats().num_running == 0)
 
 
+def test_wait_idle_times_out_while_a_request_decodes_and_returns_once_none_does(engine):
+    handle = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=150, ignore_eos=True))
+    next(iter(handle))
+    assert not engine.wait_idle(timeout=0.05)
+    handle.cancel()
+    assert engine.wait_idle(timeout=30)
+    idle = engine.stats()
+    time.sleep(0.05)
+    # No active period is open: the decoding time stands still.
+    assert idle.num_running == 0 and engine.stats().decode_seconds == idle.decode_seconds
+
+
 def test_asyncio_generate_stream_and_cancellation(engine, alone):
     async_engine = AsyncEngine(engine)
 

@@ -277,6 +277,30 @@ def test_no_round_is_launched_for_requests_its_rounds_in_flight_end(models):
     assert scheduler.stats().num_rounds == 6
 
 
+def test_a_result_is_delivered_after_its_work_is_counted(models):
+    """When a request's last tokens reach its listener, the stats already count the request,
+    its tokens and its rounds (a caller woken by the result reads them there); `wait_idle`
+    runs the passes left."""
+    target, head = models["eagle3"]
+    scheduler = _scheduler(target, head)
+    scheduler.decoder.host_lag = 1
+    at_finish = []
+
+    def listener(delta):
+        if delta.finish_reason is not None:
+            at_finish.append(scheduler.stats())
+
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    handle = scheduler.submit([3, 4, 5], params, listener=listener)
+    with torch.no_grad():
+        assert scheduler.wait_idle()
+    output = handle.result(timeout=0)
+    [stats] = at_finish
+    assert (stats.num_requests, stats.num_generated_tokens) == (1, 9)
+    assert 0 < stats.num_rounds == output.stats.num_rounds == scheduler.stats().num_rounds
+    assert scheduler.slots == [None] * 4
+
+
 def test_the_policy_sees_remaining_tokens_only_while_nobody_waits(models):
     """Six requests for four slots: while two wait the policy maximises the batch's tokens
     per second (no remaining counts); once nobody waits it sees each request's remaining
