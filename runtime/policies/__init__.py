@@ -30,9 +30,11 @@ Policies, by `EngineConfig.policy` name:
   chain acceptance to every tree, and sampled children, drawn with repeats, accept less
   than it predicts for wide levels).
   Hysteresis: the current shape stays unless another beats it by `HYSTERESIS`; from a
-  tree, plain decoding must also beat the best tree by `PLAIN_HYSTERESIS` (wider: plain
-  rounds teach the estimates nothing, so a move to plain decoding on a dip in acceptance
-  lasts until drift brings the estimates back, while a smaller tree keeps measuring).
+  tree, plain decoding must also beat the best tree by `PLAIN_HYSTERESIS` while some
+  request has run speculative rounds of its own (wider: plain rounds teach the estimates
+  nothing, so a move to plain decoding on a dip in acceptance lasts until drift brings the
+  estimates back, while a smaller tree keeps measuring; a new static batch's requests hold
+  only their kind's running mean, which does not dip).
   While plain decoding wins, the smallest tree runs now and then so that acceptance
   estimates stay current: each plain round earns `EXPLORE_SHARE` of its seconds, and an
   exploring round runs when the earnings cover what it costs over a plain round (so

@@ -108,7 +108,8 @@ class CostPolicy(_ExploringPolicy):
             chosen = self._settle(bucket, candidates, plain, requests, costs, share=share)
             return self._launched(chosen, requests)
         rates = {c: self._rate(bucket, c, requests, costs) for c in candidates}
-        best = _settled_best(rates, self._current.get(bucket))
+        observed = any(r.num_speculative_rounds for r in requests)
+        best = _settled_best(rates, self._current.get(bucket), observed=observed)
         share = EXPLORE_SHARE
         if best.tree is None and self._hopeless(bucket, candidates, requests, costs, rates[best]):
             self._judge_trials(bucket, candidates, costs)
@@ -230,14 +231,19 @@ class DsdePolicy(_ExploringPolicy):
         return self._ran(bucket, nearest_depth(speculative, length, above=False))
 
 
-def _settled_best(rates: dict[Candidate, float], current: Candidate | None) -> Candidate:
-    """The candidate of the highest rate, with hysteresis: from a tree, plain decoding must
-    beat the best tree by PLAIN_HYSTERESIS (plain rounds teach the estimates nothing, so a
-    move to it on a dip lasts until they drift back), and any shape must beat the current
-    one by HYSTERESIS."""
+def _settled_best(
+    rates: dict[Candidate, float], current: Candidate | None, *, observed: bool
+) -> Candidate:
+    """The candidate of the highest rate, with hysteresis: any shape must beat the current
+    one by HYSTERESIS, and from a tree, plain decoding must beat the best tree by
+    PLAIN_HYSTERESIS while some request's estimate rests on speculative rounds of its own
+    (`observed`): plain rounds teach the estimates nothing, so a move to plain decoding on
+    a dip in them lasts until they drift back. Requests with none (a new static batch) hold
+    only their kind's running mean, which does not dip."""
     best = max(rates, key=rates.__getitem__)
     trees = [c for c in rates if c.tree is not None]
-    if best.tree is None and current is not None and current.tree is not None and trees:
+    tree_now = current is not None and current.tree is not None
+    if observed and best.tree is None and tree_now and trees:
         best_tree = max(trees, key=rates.__getitem__)
         if rates[best] <= rates[best_tree] * (1 + PLAIN_HYSTERESIS):
             best = best_tree

@@ -382,7 +382,8 @@ def test_cost_leaves_a_tree_for_plain_decoding_only_by_a_wider_margin():
     """Plain rounds teach the estimates nothing, so a move to plain decoding on a dip stays
     until drift brings the estimates back: a tree gives way to plain decoding only when plain
     wins by PLAIN_HYSTERESIS, wider than the HYSTERESIS between two shapes, and plain decoding
-    gives way to a tree at HYSTERESIS."""
+    gives way to a tree at HYSTERESIS. Requests with no speculative rounds of their own (a new
+    static batch, holding their kind's mean) leave a tree at HYSTERESIS."""
     costs = _costs(GPU_COSTS)
     deep = LADDER[0]
 
@@ -395,15 +396,20 @@ def test_cost_leaves_a_tree_for_plain_decoding_only_by_a_wider_margin():
             (a / 1000 for a in range(1, 1000)), key=lambda a: abs(plain_over_best_tree(a) - ratio)
         )
 
+    def observed(alpha: float) -> AcceptanceEstimate:
+        return AcceptanceEstimate(alpha=alpha, num_speculative_rounds=3)
+
     assert HYSTERESIS < PLAIN_HYSTERESIS
     policy = CostPolicy()
-    assert policy.choose(1, LADDER, [_estimate(0.9)], costs) == deep
+    assert policy.choose(1, LADDER, [observed(0.9)], costs) == deep
     between = alpha_at(1 + (HYSTERESIS + PLAIN_HYSTERESIS) / 2)
-    assert policy.choose(1, LADDER, [_estimate(between)], costs) != PLAIN
-    assert policy.choose(1, LADDER, [_estimate(alpha_at(1 + 2 * PLAIN_HYSTERESIS))], costs) == PLAIN
-    assert policy.choose(1, LADDER, [_estimate(between)], costs) == PLAIN
+    assert policy.choose(1, LADDER, [observed(between)], costs) != PLAIN
+    assert policy.choose(1, LADDER, [observed(alpha_at(1 + 2 * PLAIN_HYSTERESIS))], costs) == PLAIN
+    assert policy.choose(1, LADDER, [observed(between)], costs) == PLAIN
     back = alpha_at(1 / (1 + 2 * HYSTERESIS))
-    assert policy.choose(1, LADDER, [_estimate(back)], costs) != PLAIN
+    assert policy.choose(1, LADDER, [observed(back)], costs) != PLAIN
+    assert policy.choose(1, LADDER, [observed(between)], costs) != PLAIN
+    assert policy.choose(1, LADDER, [_estimate(between), _estimate(between)], costs) == PLAIN
 
 
 def test_cost_explores_while_plain_wins():
