@@ -96,13 +96,13 @@ def test_a_closed_stream_cancels_its_request_and_frees_its_slot(engine):
     stream = engine.stream(PROMPTS[0], SamplingParams(max_new_tokens=150, ignore_eos=True))
     next(stream)
     stream.close()
-    _wait_for(lambda: engine.stats().num_running == 0)
+    assert engine.wait_idle(timeout=10) and engine.stats().num_running == 0
     handle = engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=150, ignore_eos=True))
     next(iter(handle))
     handle.cancel()
     output = handle.result(timeout=30)
     assert output.finish_reason == "cancelled" and 0 < len(output.token_ids) < 150
-    _wait_for(lambda: engine.stats().num_running == 0)
+    assert engine.wait_idle(timeout=10) and engine.stats().num_running == 0
 
 
 def test_wait_idle_times_out_while_a_request_decodes_and_returns_once_none_does(engine):
@@ -133,11 +133,12 @@ def test_asyncio_generate_stream_and_cancellation(engine, alone):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert await async_engine.wait_idle(timeout=30)
         return texts
 
     [first], [second], third = asyncio.run(main())
     assert [first.text, second.text, third] == [alone[0], alone[1], alone[3]]
-    _wait_for(lambda: engine.stats().num_running == 0)
+    assert engine.stats().num_running == 0
 
 
 async def _join(stream) -> str:
@@ -187,13 +188,6 @@ def test_a_closed_engine_refuses_requests(smollm_dir):
     assert handle.result(timeout=30).finish_reason in ("cancelled", "length")
     with pytest.raises(EngineClosedError, match="closed"):
         engine._scheduler.submit([1, 2], SamplingParams())
-
-
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_cpu_loading_runs_off_the_callers_thread_and_its_errors_come_back(smollm_dir, monkeypatch):
