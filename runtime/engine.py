@@ -279,7 +279,7 @@ class Engine:
         """Block until every request submitted so far has finished and no round is in
         flight, so that `stats()` holds all of their work (rounds the loop launched ahead
         for requests that have finished included); False if `timeout` seconds pass first.
-        Returns at once once the engine is closing."""
+        Once the engine is closing it returns True at once (its requests end with it)."""
         return self._scheduler.wait_idle(timeout)
 
     def round_costs(self) -> dict[str, float]:

@@ -216,7 +216,7 @@ class Scheduler:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no request waits or decodes and no round is in flight, so that
         `stats()` holds all the work submitted so far; False if `timeout` seconds pass first.
-        Returns at once when the scheduler is closing. Without a loop thread
+        Once the scheduler is closing it returns True at once. Without a loop thread
         (`threaded=False`) the calling thread runs the passes left."""
         if not self._threaded:
             while self.step():
