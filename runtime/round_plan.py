@@ -100,6 +100,8 @@ class RoundPlanner:
         # The most pending pairs any slot may hold after the rounds launched so far (a
         # prefill leaves 1, so admissions never raise it).
         self._max_pending = 1
+        # Whether the round `plan` chose last is an exploring one (Policy.explored).
+        self.explored = False
 
     def new_book(self) -> AcceptanceBook:
         """The acceptance estimates of a run of requests, starting from what the head was
@@ -227,6 +229,7 @@ class RoundPlanner:
             if len(found) == 1
             else self.policy.choose(bucket, found, estimates, self.costs)
         )
+        self.explored = len(found) > 1 and self.policy.explored(bucket)
         if chosen.tree is None and self.speculates and self._left_behind(bucket, estimates):
             for estimate in estimates:
                 estimate.in_step = False

@@ -436,7 +436,8 @@ class Scheduler:
             self.decoder.prepare(bucket, variant=variant, prefill=False)
             settle_heap()
         run = self.decoder.round_runner(bucket, variant=variant)
-        self._reader.submit(run, tag=("round", list(owners), (bucket, variant)))
+        explored = self.decoder.planner.explored
+        self._reader.submit(run, tag=("round", list(owners), (bucket, variant), explored))
         return True
 
     def _rounds_in_flight(self) -> Counter[RequestHandle]:
@@ -480,7 +481,7 @@ class Scheduler:
             if tag[0] == "prefill":
                 self._on_prefill(rows, tag[1], seconds)
             else:
-                self._on_round(rows, tag[1], tag[2], seconds)
+                self._on_round(rows, tag[1], tag[2], seconds, explored=tag[3])
         if not self._num_live() and not len(self._reader):
             self._mark_idle()
 
@@ -490,7 +491,9 @@ class Scheduler:
         for row, handle in zip(rows, handles, strict=False):
             self._deliver(handle, row)
 
-    def _on_round(self, rows, owners, launched: tuple[int, RoundVariant], seconds: float) -> None:
+    def _on_round(
+        self, rows, owners, launched: tuple[int, RoundVariant], seconds: float, *, explored: bool
+    ) -> None:
         bucket, variant = launched
         # Without trees nothing reads the acceptance estimates: no bookkeeping per request.
         speculates = self.decoder.planner.speculates
@@ -513,6 +516,7 @@ class Scheduler:
                 seconds,
                 histogram,
                 drafts_behind=speculates and variant.bare,
+                exploring=explored,
             )
         # After the round is counted: a caller woken by its result sees it in the stats.
         for row, handle in live:

@@ -85,7 +85,9 @@ class EngineStats:
     "4:6,8,40s" stochastic). num_rounds_drafts_behind: the plain rounds of an engine with
     trees that left the drafts behind (bare steps that neither append to nor commit the
     pending pairs: the policy found no tree worth keeping them in step, or no live request's
-    draft was in step); the other plain rounds kept them in step.
+    draft was in step); the other plain rounds kept them in step. num_rounds_exploring: the
+    rounds the policy ran to keep acceptance estimates current (a small tree while plain
+    decoding was expected to win, or a trial of new requests), not as its best choice.
     """
 
     num_requests: int = 0
@@ -97,6 +99,7 @@ class EngineStats:
     round_seconds: float = 0.0
     rounds_by_bucket: dict[str, int] = field(default_factory=dict)
     num_rounds_drafts_behind: int = 0
+    num_rounds_exploring: int = 0
     num_running: int = 0
     num_waiting: int = 0
     num_cancelled: int = 0
@@ -121,12 +124,20 @@ class EngineStats:
         return found
 
     def add_round(
-        self, key: str, seconds: float, histogram: list[int], *, drafts_behind: bool = False
+        self,
+        key: str,
+        seconds: float,
+        histogram: list[int],
+        *,
+        drafts_behind: bool = False,
+        exploring: bool = False,
     ) -> None:
         """Count one round of bucket-and-variant `key` and its slots' accepted draft tokens
-        (`drafts_behind`: a plain round that left the drafts behind)."""
+        (`drafts_behind`: a plain round that left the drafts behind; `exploring`: a round the
+        policy ran to explore)."""
         self.num_rounds += 1
         self.num_rounds_drafts_behind += drafts_behind
+        self.num_rounds_exploring += exploring
         self.round_seconds += seconds
         self.rounds_by_bucket[key] = self.rounds_by_bucket.get(key, 0) + 1
         totals = self.accepted_histogram

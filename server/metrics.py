@@ -77,6 +77,9 @@ class _EngineCollector(Collector):
             ("specrun_rounds_drafts_behind", "Plain rounds that left the drafts behind (the "
              "speculation policy judged no tree worth keeping them in step).",
              stats.num_rounds_drafts_behind),
+            ("specrun_rounds_exploring", "Rounds the speculation policy ran to keep its "
+             "acceptance estimates current, not as its best choice.",
+             stats.num_rounds_exploring),
         ):  # fmt: skip
             yield CounterMetricFamily(name, text, value=value)
         rounds = CounterMetricFamily(

@@ -342,6 +342,7 @@ def point_record(
         "accepted_histogram": spec_stats.accepted_histogram,
         "num_rounds": spec_stats.num_rounds,
         "num_rounds_drafts_behind": spec_stats.num_rounds_drafts_behind,
+        "num_rounds_exploring": spec_stats.num_rounds_exploring,
         "num_generated_tokens": spec_stats.num_generated_tokens,
         "tokens_per_second": spec_stats.tokens_per_second,
         "baseline_tokens_per_second": plain_stats.tokens_per_second,
@@ -378,6 +379,7 @@ def _since(before: EngineStats, after: EngineStats) -> EngineStats:
             if count > before.rounds_by_bucket.get(key, 0)
         },
         num_rounds_drafts_behind=after.num_rounds_drafts_behind - before.num_rounds_drafts_behind,
+        num_rounds_exploring=after.num_rounds_exploring - before.num_rounds_exploring,
     )
 
 

@@ -59,6 +59,11 @@ class Policy:
         drafts behind for good (RoundPlanner.plan then runs a bare plain step)."""
         return False
 
+    def explored(self, bucket: int) -> bool:
+        """Whether the round just chosen for the bucket is an exploring one: run to keep the
+        acceptance estimates current, not because it was expected to be the fastest."""
+        return False
+
     def drafts_new(
         self,
         bucket: int,

@@ -34,6 +34,10 @@ class _ExploringPolicy(Policy):
         self._current: dict[int, Candidate] = {}
         self._plain_streak: dict[int, int] = {}
         self._explore_credit: dict[int, float] = {}
+        self._explored: dict[int, bool] = {}
+
+    def explored(self, bucket: int) -> bool:
+        return self._explored.get(bucket, False)
 
     def _settle(
         self,
@@ -67,6 +71,7 @@ class _ExploringPolicy(Policy):
         return self._ran(bucket, best)
 
     def _ran(self, bucket: int, candidate: Candidate, *, explored: bool = False) -> Candidate:
+        self._explored[bucket] = explored
         if not explored:
             self._current[bucket] = candidate
         plain = candidate.tree is None

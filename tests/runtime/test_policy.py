@@ -417,9 +417,14 @@ def test_cost_explores_while_plain_wins():
     EXPLORE_SHARE of the time (plus one round), and every EXPLORE_EVERY rounds while its
     cost is unknown."""
     policy, costs = CostPolicy(), _costs(GPU_COSTS)
-    chosen = [policy.choose(1, LADDER, [_estimate(0.02)], costs) for _ in range(400)]
+    chosen, flagged = [], []
+    for _ in range(400):
+        chosen.append(policy.choose(1, LADDER, [_estimate(0.02)], costs))
+        flagged.append(policy.explored(1))
     explored = [c for c in chosen if c != PLAIN]
     assert explored and all(c == LADDER[-2] for c in explored)
+    # The exploring rounds say so (stats count them), the plain ones do not.
+    assert flagged == [c != PLAIN for c in chosen]
     extra = GPU_COSTS[LADDER[-2].tree] - GPU_COSTS[None]
     plain_seconds = (len(chosen) - len(explored)) * GPU_COSTS[None]
     assert len(explored) * extra <= EXPLORE_SHARE * plain_seconds + extra

@@ -6,6 +6,8 @@ trees); cancelled requests keep a prefix of it; no slot is leaked."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -339,3 +341,22 @@ def test_stats_count_the_plain_rounds_that_left_the_drafts_behind(models):
     with torch.no_grad():
         _run(headless, requests)
     assert headless.stats().num_rounds > 0 and headless.stats().num_rounds_drafts_behind == 0
+
+
+def test_stats_count_the_rounds_the_policy_explored(models):
+    """`num_rounds_exploring` counts the rounds the policy said it explored with, as planned
+    (the flag travels with the round to its report)."""
+    target, head = models["perfect"]
+    requests = [([3 + i, 4], SamplingParams(max_new_tokens=20), 0, None) for i in range(3)]
+    scheduler = _scheduler(target, head)
+    planner = scheduler.decoder.planner
+    planner.policy = ShuffledPolicy(2)
+    flags = itertools.cycle([True, False, False])
+    planner.policy.explored = lambda bucket: next(flags)
+    plan, explored = planner.plan, []
+    planner.plan = lambda *args: (plan(*args), explored.append(planner.explored))[0]
+    with torch.no_grad():
+        _run(scheduler, requests)
+    stats = scheduler.stats()
+    assert stats.num_rounds == len(explored)
+    assert 0 < stats.num_rounds_exploring == sum(explored) < len(explored)

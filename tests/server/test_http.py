@@ -52,6 +52,7 @@ def test_metrics_give_each_round_run_its_policy_cost(server, client):
         labels = name.removeprefix("specrun_rounds_total")
         assert samples[f"specrun_round_cost_milliseconds{labels}"] > 0
     assert 0 <= samples["specrun_rounds_drafts_behind_total"] <= sum(samples[n] for n in rounds)
+    assert 0 <= samples["specrun_rounds_exploring_total"] <= sum(samples[n] for n in rounds)
 
 
 def test_chat_completions_streamed_and_not(client):
