@@ -405,10 +405,12 @@ def time_breakdown(stats: EngineStats, *, prefix: str = "") -> dict:
 def format_table(records: list[dict]) -> str:
     """One row per tree shape (or policy), temperature and batch size: accepted length,
     tokens/s with and without the head (wall time, prefills included), the mean round and
-    plain step, and the speed-up of the rounds alone."""
+    plain step, the speed-up of the rounds alone, and the rounds run, those that left the
+    drafts behind and those the policy ran to explore."""
     header = (
         f"{'tree':>18} {'temp':>6} {'batch':>5} {'accept len':>10} {'spec tok/s':>11} "
-        f"{'plain tok/s':>12} {'speedup':>8} {'round ms':>9} {'step ms':>8} {'decode speedup':>15}"
+        f"{'plain tok/s':>12} {'speedup':>8} {'round ms':>9} {'step ms':>8} "
+        f"{'decode speedup':>15} {'rounds':>7} {'behind':>7} {'explored':>8}"
     )
     rows = [header, "-" * len(header)]
     for r in records:
@@ -417,8 +419,9 @@ def format_table(records: list[dict]) -> str:
             f"{tree:>18} {r['temperature']:>6.2f} {r.get('batch_size', 1):>5} "
             f"{r['mean_accepted_length']:>10.2f} "
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
-            f"{r['speedup']:>7.2f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
-            f"{r['decode_speedup']:>14.2f}x"
+            f"{r['speedup']:>7.3f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
+            f"{r['decode_speedup']:>14.3f}x {r['num_rounds']:>7} "
+            f"{r.get('num_rounds_drafts_behind', 0):>7} {r.get('num_rounds_exploring', 0):>8}"
         )
     return "\n".join(rows)
 

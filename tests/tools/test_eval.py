@@ -95,6 +95,12 @@ def test_eval_reports_every_promised_field(model_dir, prompts_file, tmp_path, ca
         assert sum(drafts for _, drafts in record["requests"]) == accepted
     out = capsys.readouterr().out
     assert "accept len" in out and out.count('"temperature"') == 2
+    # The table's last columns: rounds, rounds that left the drafts behind, exploring ones.
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("3,2,5")]
+    assert [row[-3:] for row in rows] == [
+        [str(r["num_rounds"]), str(r["num_rounds_drafts_behind"]), str(r["num_rounds_exploring"])]
+        for r in records
+    ]
 
 
 def test_eval_compares_tree_shapes_and_plots_them(model_dir, prompts_file, tmp_path, capsys):
