@@ -151,3 +151,28 @@ class EngineStats:
             accepted_histogram=list(self.accepted_histogram),
             rounds_by_bucket=dict(self.rounds_by_bucket),
         )
+
+    def since(self, before: EngineStats) -> EngineStats:
+        """The totals accumulated from the snapshot `before` to this one (every count, time,
+        histogram bin and bucket's rounds; the load, num_running and num_waiting, as now)."""
+        totals = {
+            f.name: getattr(self, f.name) - getattr(before, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _NOT_TOTALS
+        }
+        old = before.accepted_histogram
+        old = old + [0] * (len(self.accepted_histogram) - len(old))
+        return dataclasses.replace(
+            self,
+            **totals,
+            accepted_histogram=[a - b for a, b in zip(self.accepted_histogram, old, strict=True)],
+            rounds_by_bucket={
+                key: count - before.rounds_by_bucket.get(key, 0)
+                for key, count in self.rounds_by_bucket.items()
+                if count > before.rounds_by_bucket.get(key, 0)
+            },
+        )
+
+
+# EngineStats fields that `since` does not subtract field by field.
+_NOT_TOTALS = frozenset({"accepted_histogram", "rounds_by_bucket", "num_running", "num_waiting"})

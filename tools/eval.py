@@ -258,7 +258,7 @@ def measure(
     for batch in tqdm(batches * repeats, desc=desc, unit="batch"):
         per_request += [output.stats for output in engine.generate(batch, params)]
     engine.wait_idle()
-    stats = _since(before, engine.stats())
+    stats = engine.stats().since(before)
     return (stats if profile is None else charged(stats, profile)), per_request
 
 
@@ -362,27 +362,6 @@ def _warmup_params(params: SamplingParams) -> SamplingParams:
     )
 
 
-def _since(before: EngineStats, after: EngineStats) -> EngineStats:
-    """The totals `after` accumulated since the snapshot `before`."""
-    old = before.accepted_histogram or [0] * len(after.accepted_histogram)
-    return EngineStats(
-        num_requests=after.num_requests - before.num_requests,
-        num_generated_tokens=after.num_generated_tokens - before.num_generated_tokens,
-        decode_seconds=after.decode_seconds - before.decode_seconds,
-        num_rounds=after.num_rounds - before.num_rounds,
-        accepted_histogram=[a - b for a, b in zip(after.accepted_histogram, old, strict=True)],
-        prefill_seconds=after.prefill_seconds - before.prefill_seconds,
-        round_seconds=after.round_seconds - before.round_seconds,
-        rounds_by_bucket={
-            key: count - before.rounds_by_bucket.get(key, 0)
-            for key, count in after.rounds_by_bucket.items()
-            if count > before.rounds_by_bucket.get(key, 0)
-        },
-        num_rounds_drafts_behind=after.num_rounds_drafts_behind - before.num_rounds_drafts_behind,
-        num_rounds_exploring=after.num_rounds_exploring - before.num_rounds_exploring,
-    )
-
-
 def time_breakdown(stats: EngineStats, *, prefix: str = "") -> dict:
     """Where the decoding time went: wall seconds, the prefills' and rounds' seconds (GPU time
     on CUDA), the mean round in milliseconds, the wall time outside both (host work the GPU
@@ -421,7 +400,7 @@ def format_table(records: list[dict]) -> str:
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
             f"{r['speedup']:>7.3f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
             f"{r['decode_speedup']:>14.3f}x {r['num_rounds']:>7} "
-            f"{r.get('num_rounds_drafts_behind', 0):>7} {r.get('num_rounds_exploring', 0):>8}"
+            f"{r['num_rounds_drafts_behind']:>7} {r['num_rounds_exploring']:>8}"
         )
     return "\n".join(rows)
 
