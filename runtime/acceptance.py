@@ -25,8 +25,10 @@ the whole depth, and the mapping is not linear; with the shipped head it under-p
 established requests by 13-19%.) Plain rounds say nothing about it, so each one
 moves it a small step back towards the running mean of the engine's requests of its kind
 (`STALE_RATE`; greedy and sampling requests keep separate means, as they accept very
-differently): a request that fell back to plain decoding after a few poor rounds is tried
-again, after a hundred plain rounds or so, unless such requests accept little in general
+differently; a kind's mean learns from rounds until SPREAD_MIN of its requests have
+finished, then from finished requests, each weighted alike): a request that fell back to
+plain decoding after a few poor rounds is tried again, after a hundred plain rounds or so,
+unless such requests accept little in general
 (acceptance moves with the text; a stale low estimate would keep the request plain for
 good). The step is small because the exploring rounds (runtime/policies/) measure such a
 request again anyway, and a faster drift made a static batch retry trees on its slowest
@@ -71,8 +73,11 @@ ALPHA_RATE = 0.15
 # How many rounds a head's measured acceptance counts as in the running mean of its kind.
 MEASURED_ROUNDS = 16
 # Weight of one speculative round in the running mean alpha of its kind of request, once the
-# mean has seen enough rounds (before: 1 / (rounds seen + 2), the prior one of them).
+# mean has seen enough rounds (before: 1 / (rounds seen + 2), the prior one of them), until
+# SPREAD_MIN requests of the kind have finished.
 PRIOR_RATE = 0.05
+# From then on, the weight of one finished request's typical value in its kind's mean.
+PRIOR_REQUEST_RATE = 0.1
 # The step back towards the engine's running mean alpha of a request's alpha per plain round.
 STALE_RATE = 0.01
 # The step back towards its own typical alpha per plain round, once it has run SPREAD_ROUNDS
@@ -85,6 +90,9 @@ COST_RATE = 0.2
 # finished requests a kind keeps, and how many it needs before its spread is used.
 SPREAD_ROUNDS = 4
 SPREAD_KEPT, SPREAD_MIN = 256, 8
+# How many rounds of its kind's running mean a request's settled acceptance starts from
+# (AcceptanceEstimate.settled_alpha).
+SETTLED_PRIOR_ROUNDS = 8
 # The chain whose accepted length the estimator's blends are taken in (module docstring).
 CHAIN_DEPTH = 8
 # The power of a level's width that counts as independent tries (module docstring): for the
@@ -285,6 +293,17 @@ class AcceptanceEstimate:
         return alpha_of_chain(self.typical_length)
 
     @property
+    def settled_alpha(self) -> float:
+        """The request's acceptance over its whole text so far (`typical_alpha`) weighed
+        against its kind's running mean as if that were SETTLED_PRIOR_ROUNDS rounds of it:
+        what the request accepts in the long run, which a few poor rounds barely move. In
+        alpha, not chain length: a long chain's length is so convex in alpha that a kind
+        drafting well would outweigh dozens of a request's own poor rounds."""
+        num_rounds = self.num_speculative_rounds
+        weighted = self.prior * SETTLED_PRIOR_ROUNDS + self.typical_alpha * num_rounds
+        return weighted / (SETTLED_PRIOR_ROUNDS + num_rounds)
+
+    @property
     def divergence_std(self) -> float:
         """The standard deviation of the root KL divergence over recent rounds."""
         return math.sqrt(max(self.divergence_square - self.divergence**2, 0.0))
@@ -294,16 +313,18 @@ class AcceptanceEstimate:
         tree: TreeShape | StaticTree | None,
         *,
         at_prior: bool = False,
+        settled: bool = False,
         as_slowest: bool = False,
     ) -> float:
         """Expected accepted draft tokens of one round of `tree` (0 for plain, and once the
         draft was left behind); with `at_prior`, for a request of its kind on average; with
+        `settled`, at the request's `settled_alpha`; with
         `as_slowest`, no more than `slowest` accepts until the request has run
         SPREAD_ROUNDS speculative rounds (so a static batch of new requests is judged by the
         slowest its kind's spread makes likely, not by the mean)."""
         if not self.in_step:
             return 0.0
-        alpha = self.prior if at_prior else self.alpha
+        alpha = self.prior if at_prior else self.settled_alpha if settled else self.alpha
         new = self.num_speculative_rounds < SPREAD_ROUNDS
         if as_slowest and new and self.slowest is not None:
             alpha = min(alpha, self.slowest)
@@ -395,23 +416,28 @@ class AcceptanceBook:
             if estimate.num_speculative_rounds >= SPREAD_ROUNDS:
                 length = _blend(length, estimate.typical_length, RECOVERY_RATE)
             estimate.alpha = alpha_of_chain(length)
-        else:
+        elif len(self.spread.get(kind, ())) < SPREAD_MIN:
             seen = self.num_observed.get(kind, 0)
             self.num_observed[kind] = seen + 1
             rate = max(PRIOR_RATE, 1.0 / (seen + 2))
-            self.prior_lengths[kind] = _blend(
-                self._prior_length(kind), chain_length(estimate.alpha), rate
-            )
-            self._prior_alphas.pop(kind, None)
+            self._move_prior(kind, chain_length(estimate.alpha), rate)
+
+    def _move_prior(self, kind: Hashable, length: float, rate: float) -> None:
+        self.prior_lengths[kind] = _blend(self._prior_length(kind), length, rate)
+        self._prior_alphas.pop(kind, None)
 
     def forget(self, request: Hashable) -> None:
         """Drop a finished request's estimate; one that ran SPREAD_ROUNDS speculative rounds
-        joins its kind's spread."""
+        joins its kind's spread, and once SPREAD_MIN have, moves its kind's running mean
+        PRIOR_REQUEST_RATE towards its typical value (the mean then weighs requests, not
+        rounds: at batch 1 a mean of rounds is the last request's)."""
         estimate = self.estimates.pop(request, None)
         if estimate is not None and estimate.num_speculative_rounds >= SPREAD_ROUNDS:
             kept = self.spread.setdefault(estimate.kind, deque(maxlen=SPREAD_KEPT))
             kept.append(estimate.typical_alpha)
             self._sorted_spread.pop(estimate.kind, None)
+            if len(kept) >= SPREAD_MIN:
+                self._move_prior(estimate.kind, estimate.typical_length, PRIOR_REQUEST_RATE)
 
     def slowest_of(self, kind: Hashable, num_requests: int) -> float | None:
         """The alpha the slowest of `num_requests` new requests of `kind` is likely to have:

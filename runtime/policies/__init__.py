@@ -34,7 +34,11 @@ Policies, by `EngineConfig.policy` name:
   request has run speculative rounds of its own (wider: plain rounds teach the estimates
   nothing, so a move to plain decoding on a dip in acceptance lasts until drift brings the
   estimates back, while a smaller tree keeps measuring; a new static batch's requests hold
-  only their kind's running mean, which does not dip).
+  only their kind's running mean, which does not dip), and must win at the requests'
+  settled acceptance too (`AcceptanceEstimate.settled_alpha`: the request's whole text so
+  far against its kind's mean counted as SETTLED_PRIOR_ROUNDS rounds). A dip in a text
+  that drafts well as a whole does not end its trees; a request that drafts poorly
+  throughout still goes plain once its own rounds outweigh its kind's mean.
   While plain decoding wins, the smallest tree runs now and then so that acceptance
   estimates stay current: each plain round earns `EXPLORE_SHARE` of its seconds, and an
   exploring round runs when the earnings cover what it costs over a plain round (so

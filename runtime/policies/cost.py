@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from ..acceptance import AcceptanceEstimate, RoundCosts
 from ..tree import TreeShape
@@ -114,7 +114,12 @@ class CostPolicy(_ExploringPolicy):
             return self._launched(chosen, requests)
         rates = {c: self._rate(bucket, c, requests, costs) for c in candidates}
         observed = any(r.num_speculative_rounds for r in requests)
-        best = _settled_best(rates, self._current.get(bucket), observed=observed)
+        best = _settled_best(
+            rates,
+            self._current.get(bucket),
+            observed=observed,
+            settled_rate=lambda c: self._rate(bucket, c, requests, costs, settled=True),
+        )
         share = EXPLORE_SHARE
         if best.tree is None and self._hopeless(bucket, candidates, requests, costs, rates[best]):
             self._judge_trials(bucket, candidates, costs)
@@ -154,13 +159,19 @@ class CostPolicy(_ExploringPolicy):
             self._draft_credit[request.kind] = earned
         return due
 
-    def _rate(self, bucket, candidate, requests, costs, *, at_prior=False) -> float:
+    def _rate(self, bucket, candidate, requests, costs, *, at_prior=False, settled=False) -> float:
         calibration = self.calibration.get(candidate.tree, 1.0)
         seconds = costs.get(bucket, candidate)
         # Only a static batch shrinks into smaller buckets (while requests wait, slots refill).
         shrinking = _shrinking_costs(bucket, candidate, costs) if _nobody_waits(requests) else []
         return _tokens_per_second(
-            candidate, requests, seconds, calibration, at_prior=at_prior, shrinking=shrinking
+            candidate,
+            requests,
+            seconds,
+            calibration,
+            at_prior=at_prior,
+            settled=settled,
+            shrinking=shrinking,
         )
 
     def _hopeless(self, bucket, candidates, requests, costs, plain_rate: float) -> bool:
@@ -237,20 +248,27 @@ class DsdePolicy(_ExploringPolicy):
 
 
 def _settled_best(
-    rates: dict[Candidate, float], current: Candidate | None, *, observed: bool
+    rates: dict[Candidate, float],
+    current: Candidate | None,
+    *,
+    observed: bool,
+    settled_rate: Callable[[Candidate], float],
 ) -> Candidate:
     """The candidate of the highest rate, with hysteresis: any shape must beat the current
-    one by HYSTERESIS, and from a tree, plain decoding must beat the best tree by
-    PLAIN_HYSTERESIS while some request's estimate rests on speculative rounds of its own
-    (`observed`): plain rounds teach the estimates nothing, so a move to plain decoding on
-    a dip in them lasts until they drift back. Requests with none (a new static batch) hold
-    only their kind's running mean, which does not dip."""
+    one by HYSTERESIS, and from a tree, while some request's estimate rests on speculative
+    rounds of its own (`observed`), plain decoding must beat the best tree by
+    PLAIN_HYSTERESIS and also win at the requests' settled acceptance (`settled_rate`, the
+    batch's rate at AcceptanceEstimate.settled_alpha): plain rounds teach the estimates
+    nothing, so a move to plain decoding on a dip in them lasts until they drift back, and
+    a request whose text as a whole pays for a tree loses those rounds. Requests with none
+    (a new static batch) hold only their kind's running mean, which does not dip."""
     best = max(rates, key=rates.__getitem__)
     trees = [c for c in rates if c.tree is not None]
     tree_now = current is not None and current.tree is not None
     if observed and best.tree is None and tree_now and trees:
         best_tree = max(trees, key=rates.__getitem__)
-        if rates[best] <= rates[best_tree] * (1 + PLAIN_HYSTERESIS):
+        dip = rates[best] <= rates[best_tree] * (1 + PLAIN_HYSTERESIS)
+        if dip or settled_rate(best) <= max(map(settled_rate, trees)):
             best = best_tree
     if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
         best = current
@@ -275,19 +293,22 @@ def _tokens_per_second(
     calibration: float = 1.0,
     *,
     at_prior: bool = False,
+    settled: bool = False,
     shrinking: Sequence[tuple[int, float]] = (),
 ) -> float:
     """The batch's expected tokens per second under `candidate` (expected accepted drafts
     times `calibration`; with `at_prior`, of requests accepting what their kind does on
-    average); while no request waits (every `remaining` known), the batch's tokens over the
-    time it takes to end: the requests end one after another after remaining tokens /
+    average; with `settled`, at their settled acceptance); while no request waits (every
+    `remaining` known), the batch's tokens over the time it takes to end: the requests end
+    one after another after remaining tokens /
     progress per round rounds (new requests judged by the slowest their kind's spread makes
     likely: AcceptanceEstimate.expected's `as_slowest`), and once few enough are left the
     batch runs in a smaller bucket at `shrinking`'s relative cost (`_shrinking_costs`)."""
     # `slowest` is set only while no request waits, so the cap applies only to that case.
     tree = candidate.tree
     gains = [
-        1.0 + calibration * r.expected(tree, at_prior=at_prior, as_slowest=True) for r in requests
+        1.0 + calibration * r.expected(tree, at_prior=at_prior, settled=settled, as_slowest=True)
+        for r in requests
     ]
     if not _nobody_waits(requests):
         return sum(gains) / seconds

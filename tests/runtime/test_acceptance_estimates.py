@@ -1,6 +1,7 @@
 """Acceptance estimates on the host alone: the chain model and its inversion, what a head's
 measured acceptance starts the running means at, how a request's estimate follows what it
-accepts (and drifts back over plain rounds), the running means per kind of request, and the
+accepts (and drifts back over plain rounds), the running means per kind of request (of rounds,
+then of finished requests), and the
 root signals a round reports. The policies that read them: tests/runtime/test_policy.py."""
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import pytest
 import torch
 
 from specrun.runtime.acceptance import (
+    PRIOR_REQUEST_RATE,
+    SPREAD_MIN,
     SPREAD_ROUNDS,
     STALE_RATE,
     AcceptanceBook,
     MeasuredAcceptance,
     alpha_for,
+    alpha_of_chain,
     chain_acceptance,
     chain_length,
     expected_accepted,
@@ -149,6 +153,28 @@ def test_greedy_and_sampling_requests_keep_their_own_running_means():
     before = book.prior(True)
     book.observe("stale", DEEP, 0)
     assert book.prior(True) == before and stale.expected(DEEP) == 0.0
+
+
+def test_once_requests_finish_a_kinds_mean_weighs_requests_not_rounds():
+    """At batch 1 a mean of rounds would be the last request's: once SPREAD_MIN requests of
+    a kind have finished, its mean moves by finished requests only, PRIOR_REQUEST_RATE
+    each, so one long poor request moves it that much and no more."""
+    book = AcceptanceBook()
+    for index in range(SPREAD_MIN):
+        for _ in range(30):
+            book.get(index, kind=True)
+            book.observe(index, DEEP, DEEP.depth - 1)
+        book.forget(index)
+    good = chain_length(book.prior(True))
+    for _ in range(200):
+        book.get("poor", kind=True)
+        book.observe("poor", DEEP, 0)
+    assert book.prior(True) == alpha_of_chain(good)
+    poor = book.estimates["poor"].typical_length
+    book.forget("poor")
+    moved = chain_length(book.prior(True))
+    assert moved == pytest.approx(good + PRIOR_REQUEST_RATE * (poor - good))
+    assert book.get("next", kind=True).alpha > 0.8 * alpha_of_chain(good)
 
 
 def test_acceptance_signals_compare_draft_and_target_at_the_root():

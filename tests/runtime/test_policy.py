@@ -12,12 +12,14 @@ from collections import deque
 import pytest
 
 from specrun.runtime.acceptance import (
+    SETTLED_PRIOR_ROUNDS,
     SPREAD_ROUNDS,
     AcceptanceBook,
     AcceptanceEstimate,
     MeasuredAcceptance,
     RoundCosts,
     alpha_for,
+    chain_length,
     expected_accepted,
 )
 from specrun.runtime.config import POLICY_NAMES, EngineConfig, SamplingParams
@@ -397,7 +399,10 @@ def test_cost_leaves_a_tree_for_plain_decoding_only_by_a_wider_margin():
         )
 
     def observed(alpha: float) -> AcceptanceEstimate:
-        return AcceptanceEstimate(alpha=alpha, num_speculative_rounds=3)
+        # A request that has accepted at `alpha` throughout, as its kind does.
+        return AcceptanceEstimate(
+            alpha=alpha, prior=alpha, num_speculative_rounds=3, typical_length=chain_length(alpha)
+        )
 
     assert HYSTERESIS < PLAIN_HYSTERESIS
     policy = CostPolicy()
@@ -410,6 +415,35 @@ def test_cost_leaves_a_tree_for_plain_decoding_only_by_a_wider_margin():
     assert policy.choose(1, LADDER, [observed(back)], costs) != PLAIN
     assert policy.choose(1, LADDER, [observed(between)], costs) != PLAIN
     assert policy.choose(1, LADDER, [_estimate(between), _estimate(between)], costs) == PLAIN
+
+
+def test_cost_leaves_a_tree_for_plain_decoding_only_if_the_request_as_a_whole_would():
+    """A dip in a request's recent rounds takes it to plain decoding only when plain decoding
+    also wins at its settled acceptance: its text so far weighed against its kind's mean. A
+    request of a kind that pays for the deep tree stays on a tree through a few poor rounds,
+    and through a long dip in a text that drafted well; one that drafted poorly throughout
+    goes plain."""
+    costs = _costs(GPU_COSTS)
+    good, poor = 0.8, 0.05
+
+    def request(*, typical: float, num_rounds: int) -> AcceptanceEstimate:
+        return AcceptanceEstimate(
+            alpha=poor,
+            prior=good,
+            num_speculative_rounds=num_rounds,
+            typical_length=chain_length(typical),
+        )
+
+    def after_a_dip(estimate: AcceptanceEstimate) -> RoundVariant:
+        policy = CostPolicy()
+        start = AcceptanceEstimate(alpha=good, prior=good, num_speculative_rounds=1)
+        assert policy.choose(1, LADDER, [start], costs).tree is not None
+        return policy.choose(1, LADDER, [estimate], costs)
+
+    assert CostPolicy().choose(1, LADDER, [_estimate(poor)], costs) == PLAIN
+    assert after_a_dip(request(typical=poor, num_rounds=3)).tree is not None
+    assert after_a_dip(request(typical=good, num_rounds=40)).tree is not None
+    assert after_a_dip(request(typical=poor, num_rounds=25 * SETTLED_PRIOR_ROUNDS)) == PLAIN
 
 
 def test_cost_explores_while_plain_wins():
