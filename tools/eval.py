@@ -4,11 +4,12 @@ For each tree shape (run fixed, and with `--policy` each named speculation polic
 among the first tree's ladder), temperature and batch size: the prompts are decoded that many
 at a time (alone by default) speculatively with the head, and compared with plain decoding of
 the same prompts (no head, measured once per temperature and batch size with the same engine
-settings). Each point is one JSON line: mean accepted length
-(tokens per round), the histogram of accepted draft tokens per round, tokens/s of both and the
-speed-up, and where each side's time went (prefill, rounds on the GPU, the rest). A table
-follows on stdout; `--plot` also draws the histograms and the accepted length by tree shape
-(tools/eval_plot.py).
+settings; with `--plain-floor` a second plain engine measures them again, and each point
+also holds the ratio of the two, `plain_floor`: the resolution of its speed-up). Each point
+is one JSON line: mean accepted length (tokens per round), the histogram of accepted draft
+tokens per round, tokens/s of both and the speed-up, and where each side's time went
+(prefill, rounds on the GPU, the rest). A table follows on stdout; `--plot` also draws the
+histograms and the accepted length by tree shape (tools/eval_plot.py).
 Prompts are JSON lines {"prompt": text} or {"prompt_ids": [ids]}, or a built-in split
 ("builtin:broad", ...). When prompts carry a "category", each point also holds the mean
 accepted length of each category, pooled over its requests' rounds like the overall one, and
@@ -92,6 +93,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and report the totals (a point that decodes for a second or two varies by 1-2%% "
         "from run to run)",
     )  # fmt: skip
+    parser.add_argument(
+        "--plain-floor", action="store_true",
+        help="decode every point with a second plain engine as well and report its tokens/s "
+        "over the first's (`plain_floor`): how far apart two identical plain runs read, the "
+        "resolution of every speed-up against plain decoding",
+    )  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--plot", default=None, help="also draw the results into this PNG")
@@ -150,12 +157,12 @@ def run(args: argparse.Namespace) -> int:
         text = args.cost_profile.read_text()
         profile = cost_profile.CostProfile.from_json(text, path=args.cost_profile)
     plain = Engine(model, tokenizer, config)
-    baselines = {}
-    for t, b in points:
-        baselines[t, b], _ = measure(
-            plain, prompts, _params(args, t), b, profile=profile, repeats=args.repeats
-        )
-    plain.close()
+    baselines = _plain_points(plain, args, prompts, points, profile)
+    floors = {}
+    if args.plain_floor:
+        again = _plain_points(Engine(model, tokenizer, config), args, prompts, points, profile)
+        for point, stats in again.items():
+            floors[point] = stats.tokens_per_second / max(baselines[point].tokens_per_second, 1e-9)
     records = []
     # Each point's line is written as soon as it is measured: a run cut short keeps them.
     with Path(args.json).open("w") if args.json else contextlib.nullcontext() as json_file:
@@ -185,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
                         "repeats": args.repeats,
                         **category_fields(request_categories, per_request),
                         **_policy_fields(spec, policy, per_request),
+                        **({"plain_floor": floors[temperature, batch_size]} if floors else {}),
                     }
                 )
                 line = json.dumps(records[-1])
@@ -199,6 +207,24 @@ def run(args: argparse.Namespace) -> int:
     if any("accepted_length_by_category" in record for record in records):
         print(format_category_table(records))
     return 0
+
+
+def _plain_points(
+    plain: Engine,
+    args: argparse.Namespace,
+    prompts: list,
+    points: list[tuple[float, int]],
+    profile: cost_profile.CostProfile | None,
+) -> dict[tuple[float, int], EngineStats]:
+    """Every (temperature, batch size) point decoded by `plain` (closed after)."""
+    found = {}
+    for temperature, batch_size in points:
+        params = _params(args, temperature)
+        found[temperature, batch_size], _ = measure(
+            plain, prompts, params, batch_size, profile=profile, repeats=args.repeats
+        )
+    plain.close()
+    return found
 
 
 def _tree_shapes(args: argparse.Namespace) -> list[TreeShape]:

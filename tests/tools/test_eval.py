@@ -282,6 +282,17 @@ def test_eval_repeats_every_point(model_dir, prompts_file, tmp_path):
     assert sum(rounds for rounds, _ in requests) == sum(record["accepted_histogram"])
 
 
+def test_eval_measures_plain_decoding_against_itself_on_request(model_dir, prompts_file, tmp_path):
+    """--plain-floor: every point also holds a second plain engine's tokens/s over the
+    first's (absent without it)."""
+    options = ["--temperatures", "0", "--max-new-tokens", "6", "--ignore-eos"]
+    options += ["--trees", "3,2,5", "--batch-sizes", "1", "2"]
+    plain = _eval_records(model_dir, prompts_file, tmp_path, *options)
+    assert all("plain_floor" not in record for record in plain)
+    floored = _eval_records(model_dir, prompts_file, tmp_path, *options, "--plain-floor")
+    assert len(floored) == 2 and all(record["plain_floor"] > 0 for record in floored)
+
+
 def test_eval_refuses_fewer_than_one_repeat(capsys):
     argv = ["eval", "--draft", "d", "--prompts", "p", "--trees", "5,8,32", "--repeats", "0"]
     assert main(argv) == 2
