@@ -156,8 +156,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cost_profile is not None:
         text = args.cost_profile.read_text()
         profile = cost_profile.CostProfile.from_json(text, path=args.cost_profile)
-    plain = Engine(model, tokenizer, config)
-    baselines = _plain_points(plain, args, prompts, points, profile)
+    baselines = _plain_points(Engine(model, tokenizer, config), args, prompts, points, profile)
     floors = {}
     if args.plain_floor:
         again = _plain_points(Engine(model, tokenizer, config), args, prompts, points, profile)

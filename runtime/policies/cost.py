@@ -257,8 +257,8 @@ def _settled_best(
     """The candidate of the highest rate, with hysteresis: any shape must beat the current
     one by HYSTERESIS, and from a tree, while some request's estimate rests on speculative
     rounds of its own (`observed`), plain decoding must beat the best tree by
-    PLAIN_HYSTERESIS and also win at the requests' settled acceptance (`settled_rate`, the
-    batch's rate at AcceptanceEstimate.settled_alpha): plain rounds teach the estimates
+    PLAIN_HYSTERESIS and also win at the requests' settled acceptance (`settled_rate`, a
+    tree's rate for the batch at AcceptanceEstimate.settled_alpha): plain rounds teach the estimates
     nothing, so a move to plain decoding on a dip in them lasts until they drift back, and
     a request whose text as a whole pays for a tree loses those rounds. Requests with none
     (a new static batch) hold only their kind's running mean, which does not dip."""
@@ -268,7 +268,8 @@ def _settled_best(
     if observed and best.tree is None and tree_now and trees:
         best_tree = max(trees, key=rates.__getitem__)
         dip = rates[best] <= rates[best_tree] * (1 + PLAIN_HYSTERESIS)
-        if dip or settled_rate(best) <= max(map(settled_rate, trees)):
+        # Plain decoding expects no drafts, so its rate is the same at any acceptance.
+        if dip or rates[best] <= max(map(settled_rate, trees)):
             best = best_tree
     if current in rates and rates[best] <= rates[current] * (1 + HYSTERESIS):
         best = current
@@ -300,10 +301,10 @@ def _tokens_per_second(
     times `calibration`; with `at_prior`, of requests accepting what their kind does on
     average; with `settled`, at their settled acceptance); while no request waits (every
     `remaining` known), the batch's tokens over the time it takes to end: the requests end
-    one after another after remaining tokens /
-    progress per round rounds (new requests judged by the slowest their kind's spread makes
-    likely: AcceptanceEstimate.expected's `as_slowest`), and once few enough are left the
-    batch runs in a smaller bucket at `shrinking`'s relative cost (`_shrinking_costs`)."""
+    one after another after remaining tokens / progress per round rounds (new requests
+    judged by the slowest their kind's spread makes likely: AcceptanceEstimate.expected's
+    `as_slowest`), and once few enough are left the batch runs in a smaller bucket at
+    `shrinking`'s relative cost (`_shrinking_costs`)."""
     # `slowest` is set only while no request waits, so the cap applies only to that case.
     tree = candidate.tree
     gains = [
