@@ -3,10 +3,12 @@ and the input checks of the CUDA path.
 
 No autotuning: the choice depends only on shapes known at trace time (batch, heads, tree size,
 cache size S, head dim) and the device's multiprocessor count, so it is deterministic at
-CUDA-graph capture and never depends on `cache_len` values. Shapes that are symbolic at trace
-time (the dynamic prefill's batch and length) get one fixed config: branching on them would
-guard the compiled graph to the range of the example it was traced with. The numbers were
-tuned on an H100 (see BENCHMARKS.md, "Kernels: rt::tree_attention").
+CUDA-graph capture and never depends on `cache_len` values (the kernel shares the prefix out by
+them at run time instead). Shapes that are symbolic at trace time (the dynamic prefill's batch
+and length) get one fixed config: branching on them would guard the compiled graph to the range
+of the example it was traced with. The many-row numbers were tuned on an H100 (BENCHMARKS.md,
+"Kernels: rt::tree_attention"), the small batches' tiles and splits on an H200 (BENCHMARKS.md,
+"Tree attention for small batches: 16-row tiles, splits only for few rows").
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 # Below one program per multiprocessor, the prefix is split until there are about this many.
-_TARGET_PROGRAMS_PER_SM = 2
+_TARGET_PROGRAMS_PER_SM = 1
 # A split of a full cache reads at least this many key blocks, so its partial write stays small
 # next to it.
 _MIN_BLOCKS_PER_SPLIT = 4
 # Prefix splits + the tree split stay <= 64: the combine kernel loads them all at once.
 _MAX_SPLITS = 63
+# Past this many output rows (slots x query heads x tree queries) the prefix is not split: the
+# partials' writes and the combine kernel, one program per row, cost more than the splits gain.
+_MAX_SPLIT_OUTPUT_ROWS = 1024
 _BITS_PER_WORD = 64
 # A dynamic call's rows per KV head are assumed many (a prefill).
 _DYNAMIC_NUM_ROWS = 64
@@ -36,7 +41,8 @@ class LaunchConfig:
     block_r: rows (group heads x tree queries) per program; block_n: keys per inner step;
     num_splits: how many ranges each slot's committed prefix [0, cache_len) is cut into,
     in equal shares of whole key blocks (past one, the launch adds a split for the tree keys
-    and a combine kernel).
+    and a combine kernel); min_split_len: the fewest keys a share holds (a multiple of
+    block_n), so that a prefix shorter than num_splits of them runs on fewer splits.
     """
 
     block_r: int
@@ -44,6 +50,7 @@ class LaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    min_split_len: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_r", "block_n"):
@@ -52,6 +59,10 @@ class LaunchConfig:
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
         if not 1 <= self.num_splits <= _MAX_SPLITS:
             raise ValueError(f"num_splits={self.num_splits} must be in [1, {_MAX_SPLITS}]")
+        if self.min_split_len < 0 or self.min_split_len % self.block_n:
+            raise ValueError(
+                f"min_split_len={self.min_split_len} must be a multiple of block_n={self.block_n}"
+            )
 
 
 # triton.cdiv and triton.next_power_of_2 on host ints, written out so that the config (and the
@@ -76,24 +87,31 @@ def num_multiprocessors(device: torch.device) -> int:
     return _num_multiprocessors(index)
 
 
-def _tile_shape(num_rows: int, head_dim: int) -> tuple[int, int, int]:
-    """(block_r, block_n, num_warps) for `num_rows` rows per KV head.
+def _tile_shape(num_rows: int, head_dim: int, *, num_slot_heads: int, num_sms: int):
+    """(block_r, block_n, num_warps) for `num_rows` rows per KV head and `num_slot_heads`
+    (slot, KV head) pairs.
 
-    Few rows (M * G <= 32: decode, small trees) are bandwidth-bound: 64-key blocks. More rows
-    are bound by the tensor cores and the softmax: 64-row blocks over 32-key blocks measured
-    faster than 128-row blocks (which also overflow shared memory at 64 keys and 3 stages).
+    Where 16-row tiles take no more programs than there are multiprocessors (small batches),
+    they run: the call is bound by latency, and more, shorter programs finish sooner. Past
+    that, few rows (<= 32: decode, small trees) are bandwidth-bound, and many rows are bound
+    by the tensor cores and the softmax: 64-row blocks over 32-key blocks measured faster than
+    128-row blocks (which also overflow shared memory at 64 keys and 3 stages). Few rows per
+    KV head read 32-key blocks, many 64 where the tiles are 16 rows.
     """
-    block_r = min(max(16, _next_power_of_2(num_rows)), 64)
+    if num_slot_heads * _cdiv(num_rows, 16) <= num_sms:
+        block_r = 16
+    else:
+        block_r = min(max(16, _next_power_of_2(num_rows)), 64)
     if head_dim > 128:
         return block_r, 32, 4
-    return block_r, 64 if block_r <= 32 else 32, 4
+    return block_r, 64 if block_r == 16 and num_rows > 32 else 32, 4
 
 
 def num_prefix_splits(*, num_programs: int, cache_size: int, block_n: int, num_sms: int) -> int:
     """How many ranges the prefix is split into for `num_programs` programs per split and a
     cache of `cache_size` keys: none once the programs cover the multiprocessors (a combine
     pass costs more than it gains), else about _TARGET_PROGRAMS_PER_SM programs per
-    multiprocessor."""
+    multiprocessor (a short committed prefix uses fewer of them: see the kernel)."""
     num_blocks = max(1, _cdiv(cache_size, block_n))
     wanted = 1
     if num_programs < num_sms:
@@ -125,11 +143,15 @@ def launch_config(
     """
     if fixed or not all(is_concrete_int(size) for size in (batch, num_rows, cache_size)):
         return _fixed_launch_config(head_dim)
-    block_r, block_n, num_warps = _tile_shape(num_rows, head_dim)
-    num_programs = batch * num_kv_heads * _cdiv(num_rows, block_r)
-    num_splits = num_prefix_splits(
-        num_programs=num_programs, cache_size=cache_size, block_n=block_n, num_sms=num_sms
+    block_r, block_n, num_warps = _tile_shape(
+        num_rows, head_dim, num_slot_heads=batch * num_kv_heads, num_sms=num_sms
     )
+    num_programs = batch * num_kv_heads * _cdiv(num_rows, block_r)
+    num_splits = 1
+    if batch * num_kv_heads * num_rows <= _MAX_SPLIT_OUTPUT_ROWS:
+        num_splits = num_prefix_splits(
+            num_programs=num_programs, cache_size=cache_size, block_n=block_n, num_sms=num_sms
+        )
     # A third stage pays on long per-program loops, not on short split ranges of few rows.
     long_loop = num_splits == 1 or block_r > 32
     return LaunchConfig(
@@ -142,7 +164,10 @@ def launch_config(
 
 
 def _fixed_launch_config(head_dim: int) -> LaunchConfig:
-    block_r, block_n, num_warps = _tile_shape(_DYNAMIC_NUM_ROWS, head_dim)
+    # Many slots assumed too: the many-row tiles of a prefill.
+    block_r, block_n, num_warps = _tile_shape(
+        _DYNAMIC_NUM_ROWS, head_dim, num_slot_heads=1 << 30, num_sms=1
+    )
     return LaunchConfig(
         block_r=block_r,
         block_n=block_n,

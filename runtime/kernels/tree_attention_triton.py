@@ -56,11 +56,23 @@ def _prefix_step(
     return _softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION)
 
 
+@triton.jit
+def _prefix_share(cache_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
+    """(keys per prefix split, prefix splits with keys, whether one program does it all): the
+    committed length cut into num_splits - 1 equal ranges of whole key blocks, each at least
+    `min_split_len` keys and one block, so that a short prefix runs on fewer splits, or on one
+    program together with the tree keys, and the other splits return at once."""
+    share = tl.cdiv(tl.cdiv(cache_len, num_splits - 1), BLOCK_N) * BLOCK_N
+    share = tl.maximum(tl.maximum(share, min_split_len), BLOCK_N)
+    num_used = tl.cdiv(cache_len, share)
+    return share, num_used, num_used <= 1
+
+
 # Arguments that vary with a prefill's prompt length: left unspecialised (Triton would
 # otherwise compile a variant per "== 1" / "% 16 == 0" case), so the kernel compiled for one
 # length, at warm-up or in ahead-of-time artifacts, serves every length that gets the same
 # launch config.
-_LENGTH_ARGS = ("sa_b", "sa_m", "num_queries", "num_tree")
+_LENGTH_ARGS = ("sa_b", "sa_m", "num_queries", "num_tree", "min_split_len")
 
 
 @triton.jit(do_not_specialize=_LENGTH_ARGS)
@@ -73,18 +85,20 @@ def _tree_attention_kernel(
     skt_b, skt_h, skt_n, skt_d,
     svt_b, svt_h, svt_n, svt_d,
     sa_b, sa_m, sa_w,
-    num_kv_heads, num_queries, num_tree, cache_size, num_splits, qk_scale,
+    num_kv_heads, num_queries, num_tree, cache_size, num_splits, min_split_len, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr, PEEL_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, split, slot * kv head).
 
     With one split, a program attends to the whole prefix and then the tree keys and writes
-    the output. Otherwise splits 0 .. num_splits - 2 share the slot's committed prefix in
-    equal ranges of whole key blocks (cut from its length, not from the cache size, so a short
-    prefix is spread over every split rather than left to the first few) and the last split
-    takes the tree keys alone (its latency overlaps the prefix instead of adding to it); each
-    writes a normalised partial output and its base-2 LSE for the combine kernel.
+    the output. Otherwise split 0 takes the tree keys and splits 1 .. num_splits - 1 share the
+    slot's committed prefix in equal ranges of whole key blocks, cut from its length, not from
+    the cache size (`_prefix_share`); each split with keys writes a normalised partial output
+    and its base-2 LSE for the combine kernel. The tree split comes first so that it is
+    scheduled first: it is the longest program where the prefix is short. Where one share
+    holds the whole prefix, split 0 attends to it as well and writes the output, and the
+    other splits and the combine kernel return at once.
     PEEL_TAIL runs full prefix blocks unmasked and masks only the last one: it pays where the
     tensor cores bind (many rows) and costs occupancy where bandwidth binds (few rows)."""
     row_block = tl.program_id(0)
@@ -92,6 +106,16 @@ def _tree_attention_kernel(
     slot_head = tl.program_id(2)
     b = (slot_head // num_kv_heads).to(tl.int64)
     kv_head = (slot_head % num_kv_heads).to(tl.int64)
+
+    lo = 0
+    hi = tl.minimum(tl.load(cache_len_ptr + b).to(tl.int32), cache_size)
+    direct = True  # this program writes the output (no partials)
+    if WRITE_PARTIALS:
+        share, num_used, direct = _prefix_share(hi, num_splits, min_split_len, BLOCK_N)
+        if (split > 0) & (direct | (split > num_used)):
+            return  # no keys for this split: the combine kernel does not read it
+        lo = tl.maximum(split - 1, 0) * share
+        hi = tl.where(split == 0, tl.where(direct, hi, 0), tl.minimum(lo + share, hi))
 
     rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < GROUP * num_queries
@@ -111,13 +135,6 @@ def _tree_attention_kernel(
 
     kc_base = kc_ptr + b * skc_b + kv_head * skc_h + dims[None, :] * skc_d
     vc_base = vc_ptr + b * svc_b + kv_head * svc_h + dims[None, :] * svc_d
-    lo = 0
-    hi = tl.minimum(tl.load(cache_len_ptr + b).to(tl.int32), cache_size)
-    if WRITE_PARTIALS:
-        prefix = tl.where(split == num_splits - 1, 0, hi)  # the tree split reads no prefix
-        split_len = tl.cdiv(tl.cdiv(prefix, num_splits - 1), BLOCK_N) * BLOCK_N
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, prefix)
     if PEEL_TAIL:
         full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         for start in range(lo, full_end, BLOCK_N):
@@ -137,7 +154,7 @@ def _tree_attention_kernel(
                 MASKED=True, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
 
-    if split == num_splits - 1:
+    if split == 0:
         kt_base = kt_ptr + b * skt_b + kv_head * skt_h + dims[None, :] * skt_d
         vt_base = vt_ptr + b * svt_b + kv_head * svt_h + dims[None, :] * svt_d
         anc_rows = anc_ptr + b * sa_b + m_idx * sa_m
@@ -160,7 +177,7 @@ def _tree_attention_kernel(
     # Output rows in (slot, query, head) order: the [B, M, Hq, D] layout the output
     # projection reads, so that no copy is needed to bring the heads together.
     out_rows = (b * num_queries + m_idx) * (GROUP * num_kv_heads) + head
-    if not WRITE_PARTIALS:
+    if direct:
         out_ptrs = out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :]
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -171,15 +188,22 @@ def _tree_attention_kernel(
         tl.store(part_ptrs, o, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("min_split_len",))
 def _tree_attention_combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, cache_len_ptr,
+    rows_per_slot, cache_size, num_splits, min_split_len,
+    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Merge one output row's per-split partials by their base-2 LSE (all splits in one load)."""
+    """Merge one output row's partials by their base-2 LSE (all splits in one load): the
+    tree split and the prefix splits that had keys, as `_tree_attention_kernel` shared the
+    prefix out; nothing where its split 0 wrote the output itself."""
     row = tl.program_id(0).to(tl.int64)
+    cache_len = tl.minimum(tl.load(cache_len_ptr + row // rows_per_slot).to(tl.int32), cache_size)
+    _, num_used, direct = _prefix_share(cache_len, num_splits, min_split_len, BLOCK_N)
+    if direct:
+        return
     splits = tl.arange(0, SPLITS_P2)
-    split_ok = splits < num_splits
+    split_ok = splits <= num_used
     dims = tl.arange(0, HEAD_DIM)
     part_rows = row * num_splits + splits
     lse = tl.load(part_lse_ptr + part_rows, mask=split_ok, other=float("-inf"))
@@ -235,7 +259,7 @@ def launch_tree_attention(
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         *k_tree.stride(), *v_tree.stride(), *anc.stride(),
         num_kv_heads, num_queries, k_tree.shape[2], cache_size, num_splits,
-        scale * _LOG2E,
+        config.min_split_len, scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_R=config.block_r, BLOCK_N=config.block_n,
         WRITE_PARTIALS=num_splits > 1, PEEL_TAIL=config.block_r >= 64,
         DOT_PRECISION=dot_precision,
@@ -244,8 +268,9 @@ def launch_tree_attention(
     if num_splits > 1:
         splits_p2 = triton.next_power_of_2(num_splits)
         wrap(_tree_attention_combine_kernel)[(num_out_rows,)](
-            part_out, part_lse, out, num_splits,
-            HEAD_DIM=head_dim, SPLITS_P2=splits_p2,
+            part_out, part_lse, out, cache_len,
+            num_q_heads * num_queries, cache_size, num_splits, config.min_split_len,
+            HEAD_DIM=head_dim, SPLITS_P2=splits_p2, BLOCK_N=config.block_n,
             num_warps=4 if splits_p2 * head_dim <= 8192 else 8,
         )  # fmt: skip
     return out

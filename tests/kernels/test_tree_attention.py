@@ -218,6 +218,27 @@ def test_symbolic_shapes_get_one_config_without_guards():
     assert fixed == config  # what the op runs with when the pass fused it in a dynamic graph
 
 
+@pytest.mark.parametrize(
+    ("batch", "num_kv_heads", "num_rows", "head_dim", "expected"),
+    [
+        # (block_r, block_n, num_splits) measured fastest on an H200 at 128-3000 keys.
+        pytest.param(1, 3, 3 * 40, 64, (16, 64, 6), id="smollm2-verify-b1"),
+        pytest.param(1, 3, 3, 64, (16, 32, 35), id="smollm2-step-b1"),
+        pytest.param(16, 3, 3 * 16, 64, (64, 32, 1), id="smollm2-verify-b16"),
+        pytest.param(1, 8, 4 * 60, 128, (16, 64, 1), id="8b-verify-b1"),
+        pytest.param(32, 8, 4 * 8, 128, (32, 32, 1), id="8b-verify-b32"),
+    ],
+)
+def test_launch_config_for_round_shapes(batch, num_kv_heads, num_rows, head_dim, expected):
+    # Small batches take 16-row tiles (more, shorter programs); the prefix is split only
+    # while the partials stay few (many output rows: no split, no combine kernel).
+    config = launch_config(
+        batch=batch, num_kv_heads=num_kv_heads, num_rows=num_rows, cache_size=4512,
+        head_dim=head_dim, num_sms=132,
+    )  # fmt: skip
+    assert (config.block_r, config.block_n, config.num_splits) == expected
+
+
 def test_opcheck():
     inputs = make_inputs(Case(2, 4, 2, 3, 4, 11, 8), dtype=torch.float32, cache_len=[5, 0])
     scale = inputs.pop("scale")
@@ -243,7 +264,7 @@ def test_triton_kernel_under_interpreter():
 
 
 INTERPRET_CASES = (
-    # (case, cache_len, block_r, block_n, num_prefix_splits)
+    # (case, cache_len, block_r, block_n, num_prefix_splits[, min_split_len])
     (Case(2, 4, 2, 3, 5, 37, 16), [37, 0], 16, 16, 1),
     (Case(2, 4, 1, 5, 70, 50, 32), [13, 50], 32, 16, 3),
     (Case(1, 2, 2, 1, 1, 20, 16), [20], 16, 16, 2),
@@ -252,6 +273,9 @@ INTERPRET_CASES = (
     (Case(2, 4, 2, 33, 33, 70, 16), [70, 5], 64, 32, 1),  # the dynamic-shape config
     # More splits than a short prefix has blocks: the trailing ones read nothing.
     (Case(3, 4, 2, 3, 7, 90, 16), [90, 17, 1], 16, 16, 7),
+    # A share of at least 48 keys: 90 keys on two splits, 17 and 1 on one, the rest unread.
+    (Case(3, 4, 2, 3, 7, 90, 16), [90, 17, 1], 16, 16, 7, 48),
+    (Case(2, 8, 2, 5, 5, 200, 16), [0, 200], 16, 32, 4, 64),
 )
 
 
@@ -260,10 +284,10 @@ def _interpret_main() -> int:
     from specrun.runtime.kernels.tree_attention_triton import launch_tree_attention
 
     failures = 0
-    for i, (case, lens, block_r, block_n, num_splits) in enumerate(INTERPRET_CASES):
+    for i, (case, lens, block_r, block_n, num_splits, *min_split_len) in enumerate(INTERPRET_CASES):
         gen = torch.Generator().manual_seed(i)
         inputs = make_inputs(case, dtype=torch.float32, cache_len=lens, generator=gen)
-        config = LaunchConfig(block_r, block_n, num_splits, num_warps=4, num_stages=1)
+        config = LaunchConfig(block_r, block_n, num_splits, 4, 1, *min_split_len)
         out = launch_tree_attention(**inputs, config=config)
         err = relative_error(out, _model_ref(inputs))
         ok = err < 1e-5
