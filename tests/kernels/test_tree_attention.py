@@ -328,15 +328,19 @@ def test_gpu_kernel_matches_reference(case, dtype, fixed_config):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("num_splits", [1, 3, 7])
-def test_gpu_layer_buffer_slice_and_forced_splits(num_splits):
+@pytest.mark.parametrize(
+    ("num_splits", "min_split_len"),
+    # 512 keys a share: 1500 on 3 of 7 splits, 701 on 2; 2048: every prefix in the tree split.
+    [(1, 0), (3, 0), (7, 0), (7, 512), (3, 2048)],
+)
+def test_gpu_layer_buffer_slice_and_forced_splits(num_splits, min_split_len):
     from specrun.runtime.kernels.tree_attention_triton import launch_tree_attention
 
     case = Case(3, 32, 8, 6, 11, 1500, 128)
     inputs = make_inputs(case, dtype=torch.bfloat16, device="cuda", cache_len=[1500, 0, 701],
                          layer_buffer=True)  # fmt: skip
     assert not inputs["k_cache"].is_contiguous()
-    config = LaunchConfig(16, 64, num_splits, 4, 3)
+    config = LaunchConfig(16, 64, num_splits, 4, 3, min_split_len)
     out = launch_tree_attention(**inputs, config=config)
     assert relative_error(out, _model_ref(inputs)) < 1e-2
 
