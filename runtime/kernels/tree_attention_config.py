@@ -87,24 +87,35 @@ def num_multiprocessors(device: torch.device) -> int:
     return _num_multiprocessors(index)
 
 
-def _tile_shape(num_rows: int, head_dim: int, *, num_slot_heads: int, num_sms: int):
+def _many_slot_block_r(num_rows: int) -> int:
+    """Rows per program where the slots alone fill the GPU: few rows (<= 32: decode, small
+    trees) are bandwidth-bound, many are bound by the tensor cores and the softmax, where
+    64-row blocks measured faster than 128-row blocks (which also overflow shared memory at
+    64 keys and 3 stages)."""
+    return min(max(16, _next_power_of_2(num_rows)), 64)
+
+
+def _tile_shape(
+    num_rows: int, head_dim: int, *, num_slot_heads: int, num_sms: int
+) -> tuple[int, int, int]:
     """(block_r, block_n, num_warps) for `num_rows` rows per KV head and `num_slot_heads`
     (slot, KV head) pairs.
 
     Where 16-row tiles take no more programs than there are multiprocessors (small batches),
-    they run: the call is bound by latency, and more, shorter programs finish sooner. Past
-    that, few rows (<= 32: decode, small trees) are bandwidth-bound, and many rows are bound
-    by the tensor cores and the softmax: 64-row blocks over 32-key blocks measured faster than
-    128-row blocks (which also overflow shared memory at 64 keys and 3 stages). Few rows per
-    KV head read 32-key blocks, many 64 where the tiles are 16 rows.
+    they run: the call is bound by latency, and more, shorter programs finish sooner; else
+    `_many_slot_block_r`. Few rows per KV head read 32-key blocks, many 64 where the tiles
+    are 16 rows.
     """
+    block_r = _many_slot_block_r(num_rows)
     if num_slot_heads * _cdiv(num_rows, 16) <= num_sms:
         block_r = 16
-    else:
-        block_r = min(max(16, _next_power_of_2(num_rows)), 64)
-    if head_dim > 128:
-        return block_r, 32, 4
-    return block_r, 64 if block_r == 16 and num_rows > 32 else 32, 4
+    return block_r, _block_n(num_rows, block_r, head_dim), 4
+
+
+def _block_n(num_rows: int, block_r: int, head_dim: int) -> int:
+    if head_dim <= 128 and block_r == 16 and num_rows > 32:
+        return 64
+    return 32
 
 
 def num_prefix_splits(*, num_programs: int, cache_size: int, block_n: int, num_sms: int) -> int:
@@ -164,15 +175,12 @@ def launch_config(
 
 
 def _fixed_launch_config(head_dim: int) -> LaunchConfig:
-    # Many slots assumed too: the many-row tiles of a prefill.
-    block_r, block_n, num_warps = _tile_shape(
-        _DYNAMIC_NUM_ROWS, head_dim, num_slot_heads=1 << 30, num_sms=1
-    )
+    block_r = _many_slot_block_r(_DYNAMIC_NUM_ROWS)
     return LaunchConfig(
         block_r=block_r,
-        block_n=block_n,
+        block_n=_block_n(_DYNAMIC_NUM_ROWS, block_r, head_dim),
         num_splits=1,
-        num_warps=num_warps,
+        num_warps=4,
         num_stages=3 if head_dim <= 128 else 2,
     )
 
