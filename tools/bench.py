@@ -1,7 +1,9 @@
 """`specrun bench`: performance measurements, one sub-command per subject.
 
 `specrun bench kernels`: rt::tree_attention vs SDPA with the equivalent dense mask vs the memory
-floor, on Llama-3.1-8B attention shapes; one JSON line per point and a summary table.
+floor, on a model's attention shapes (Llama-3.1-8B by default), optionally with the fastest of
+a grid of launch configs beside the launch table's (`--sweep`); one JSON line per point and a
+summary table.
 
 `specrun bench skinny-mm`: the decode step's matrix products (a few rows times each weight of
 Llama-3.1-8B), rt::skinny_mm against cuBLAS and Inductor, in bytes/s (tools/skinny_mm_bench.py).
@@ -59,6 +61,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kernels.add_argument(
         "--trees", type=int, nargs="+", default=[1, 8, 32, 64], help="tree sizes N (M = N)"
     )
+    kernels.add_argument(
+        "--model", choices=sorted(SHAPES), default="llama-3.1-8b", help="whose attention shapes"
+    )
+    kernels.add_argument(
+        "--cache-size",
+        type=int,
+        default=0,
+        help="positions in each slot's cache, >= every length (default: each length's own)",
+    )
+    kernels.add_argument(
+        "--sweep", action="store_true", help="also time a grid of launch configs (best_us)"
+    )
     kernels.add_argument("--json", default=None, help="write one JSON line per point here")
     kernels.set_defaults(func=run_kernels)
     skinny = subjects.add_parser(
@@ -102,13 +116,28 @@ def _row(point: dict) -> str:
         f"{point['config']['num_splits']:>3} "
         f"{'yes' if point['meets_floor_target'] else 'NO':>4} "
         f"{'yes' if point['beats_sdpa'] else 'NO':>4}"
+        f"{_best(point)}"
     )
 
 
-HEADER = "  N      L   B  floor_us kernel_us  floor   sdpa_gqa  sdpa_expd  speedup spl  tgt sdpa"
+def _best(point: dict) -> str:
+    """The sweep's fastest config, where one ran: time and rows/keys/splits."""
+    best = point.get("best_config")
+    if best is None:
+        return ""
+    tiles = f"r{best['block_r']}/n{best['block_n']}/s{best['num_splits']}"
+    return f" {point['best_us']:>8.1f} {tiles}"
+
+
+HEADER = (
+    "  N      L   B  floor_us kernel_us  floor   sdpa_gqa  sdpa_expd  speedup spl  tgt sdpa"
+    "  [best_us config]"
+)
 
 
 def run_kernels(args: argparse.Namespace) -> int:
+    if args.cache_size and args.cache_size < max(args.lengths):
+        raise ValueError(f"--cache-size {args.cache_size} is below --lengths {max(args.lengths)}")
     if not torch.cuda.is_available():
         raise ValueError("bench kernels needs a CUDA GPU")
     from .kernel_bench import (
@@ -122,9 +151,16 @@ def run_kernels(args: argparse.Namespace) -> int:
     env["copy_bandwidth_gbps"] = bandwidth / 1e9
     print(json.dumps(env))
     print("timing: CUDA-graph replay, rotating input sets > L2, median of 10 replays")
-    shapes = tree_attention_shapes(batches=args.batch, lengths=args.lengths, trees=args.trees)
+    shapes = tree_attention_shapes(
+        batches=args.batch,
+        lengths=args.lengths,
+        trees=args.trees,
+        config=SHAPES[args.model].target,
+        cache_size=args.cache_size,
+    )
     points = (
-        {"op": "rt::tree_attention"} | bench_tree_attention(shape, bandwidth=bandwidth)
+        {"op": "rt::tree_attention", "model": args.model}
+        | bench_tree_attention(shape, bandwidth=bandwidth, sweep=args.sweep)
         for shape in shapes
     )
     _print_points(points, env=env, json_path=args.json, row=_row, header=HEADER)

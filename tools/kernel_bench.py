@@ -11,6 +11,7 @@ here (bytes read + bytes written per second of a large `copy_`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
@@ -20,8 +21,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.config import LlamaConfig
 from ..runtime.kernels.tree_attention import tree_attention
-from ..runtime.kernels.tree_attention_config import launch_config, num_multiprocessors
+from ..runtime.kernels.tree_attention_config import (
+    LaunchConfig,
+    launch_config,
+    num_multiprocessors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +80,8 @@ def copy_bandwidth(*, num_bytes: int = 1 << 31, device: str = "cuda") -> float:
 
 @dataclass(frozen=True)
 class TreeAttentionShape:
-    """One benchmark point: B slots at committed length L (= cache size S), an N-node tree
-    (M = N queries), Llama-3.1-8B attention by default."""
+    """One benchmark point: B slots at committed length L in a cache of S positions (0: S = L),
+    an N-node tree (M = N queries), Llama-3.1-8B attention by default."""
 
     batch: int
     cache_len: int
@@ -84,11 +90,29 @@ class TreeAttentionShape:
     num_kv_heads: int = 8
     head_dim: int = 128
     dtype: torch.dtype = torch.bfloat16
+    cache_size: int = 0
+
+    @property
+    def num_positions(self) -> int:
+        """S: the cache's positions, what the launch table sees (the kernel reads [0, L))."""
+        return self.cache_size or self.cache_len
+
+    @property
+    def num_rows(self) -> int:
+        """Rows per KV head: query heads per KV head x tree queries."""
+        return self.num_q_heads // self.num_kv_heads * self.num_tree
 
     def floor_bytes(self) -> int:
         """Fewest bytes the op moves: cache K/V [0, L), tree K/V, q and out, each once."""
+        return self._bytes(self.cache_len)
+
+    def input_bytes(self) -> int:
+        """Bytes one input set takes: the whole cache, tree K/V, q and out."""
+        return self._bytes(self.num_positions)
+
+    def _bytes(self, num_cache_keys: int) -> int:
         item = self.dtype.itemsize
-        kv = 2 * self.batch * self.num_kv_heads * (self.cache_len + self.num_tree) * self.head_dim
+        kv = 2 * self.batch * self.num_kv_heads * (num_cache_keys + self.num_tree) * self.head_dim
         q_out = 2 * self.batch * self.num_q_heads * self.num_tree * self.head_dim
         return (kv + q_out) * item
 
@@ -117,7 +141,7 @@ def tree_attention_inputs(shape: TreeAttentionShape, *, seed: int, device: str =
     def randn(*size):
         return torch.randn(*size, device=device, dtype=s.dtype)
 
-    cache = (s.batch, s.num_kv_heads, s.cache_len, s.head_dim)
+    cache = (s.batch, s.num_kv_heads, s.num_positions, s.head_dim)
     tree = (s.batch, s.num_kv_heads, s.num_tree, s.head_dim)
     return {
         "q": randn(s.batch, s.num_q_heads, s.num_tree, s.head_dim),
@@ -187,13 +211,57 @@ def _time_sdpa(input_sets: list[dict], *, expand_kv: bool) -> tuple[float | None
     return seconds, out
 
 
-def bench_tree_attention(shape: TreeAttentionShape, *, bandwidth: float) -> dict:
+def sweep_configs(shape: TreeAttentionShape) -> list[LaunchConfig]:
+    """The launch configs `--sweep` tries on `shape`: row tiles up to the rows per KV head,
+    key blocks of 16-64, 1-32 prefix splits, stages as the launch table sets them."""
+    max_block_r = max(16, 1 << max(shape.num_rows - 1, 0).bit_length())
+    grid = itertools.product((16, 32, 64), (16, 32, 64), (1, 2, 4, 8, 16, 32))
+    return [
+        LaunchConfig(
+            block_r=block_r,
+            block_n=block_n,
+            num_splits=num_splits,
+            num_warps=4,
+            num_stages=3 if block_r >= 64 or num_splits == 1 else 2,
+        )
+        for block_r, block_n, num_splits in grid
+        if block_r <= max_block_r
+    ]
+
+
+def _sweep(shape: TreeAttentionShape, input_sets: list[dict], out: torch.Tensor) -> dict:
+    """The fastest of `sweep_configs` on these inputs (each config's output checked against
+    the launch table's), as JSON fields."""
+    import triton
+
+    from ..runtime.kernels.tree_attention_triton import launch_tree_attention
+
+    best_us, best_config = None, None
+    for config in sweep_configs(shape):
+        try:
+            swept = launch_tree_attention(**input_sets[0], config=config)
+            seconds = time_cuda_graph(
+                [lambda x=x, c=config: launch_tree_attention(**x, config=c) for x in input_sets]
+            )
+        except triton.runtime.errors.OutOfResources:
+            continue
+        if _relative_error(swept, out) > 1e-2:
+            raise AssertionError(f"{config} disagrees with the launch table's config on {shape}")
+        if best_us is None or seconds * 1e6 < best_us:
+            best_us, best_config = seconds * 1e6, asdict(config)
+    return {"best_us": best_us, "best_config": best_config}
+
+
+def bench_tree_attention(
+    shape: TreeAttentionShape, *, bandwidth: float, sweep: bool = False
+) -> dict:
     """Time rt::tree_attention, SDPA in the reference's formulation (GQA + dense mask) and SDPA
     with K/V pre-expanded to the query heads (so a mask-capable fused backend can run), on one
-    shape. Returns a JSON-ready dict; times in microseconds, None where out of memory."""
+    shape; with `sweep`, also the fastest of `sweep_configs` (`best_us`, `best_config`).
+    Returns a JSON-ready dict; times in microseconds, None where out of memory."""
     free, _ = torch.cuda.mem_get_info()
     num_sets = num_input_sets(shape.floor_bytes())
-    need = shape.floor_bytes() * num_sets
+    need = shape.input_bytes() * num_sets
     point = {k: str(v) if k == "dtype" else v for k, v in asdict(shape).items()}
     point |= {"num_queries": shape.num_tree, "floor_bytes": shape.floor_bytes()}
     point["floor_us"] = shape.floor_bytes() / bandwidth * 1e6
@@ -207,12 +275,14 @@ def bench_tree_attention(shape: TreeAttentionShape, *, bandwidth: float) -> dict
     config = launch_config(
         batch=shape.batch,
         num_kv_heads=shape.num_kv_heads,
-        num_rows=shape.num_q_heads // shape.num_kv_heads * shape.num_tree,
-        cache_size=shape.cache_len,
+        num_rows=shape.num_rows,
+        cache_size=shape.num_positions,
         head_dim=shape.head_dim,
         num_sms=num_multiprocessors(out.device),
     )
     point["config"] = asdict(config)
+    if sweep:
+        point |= _sweep(shape, input_sets, out)
     for name, expand in (("sdpa_gqa", False), ("sdpa_expanded", True)):
         seconds, ref = _time_sdpa(input_sets, expand_kv=expand)
         point[f"{name}_us"] = seconds * 1e6 if seconds is not None else None
@@ -239,11 +309,24 @@ def _verdict(point: dict) -> dict:
 
 
 def tree_attention_shapes(
-    *, batches: Sequence[int], lengths: Sequence[int], trees: Sequence[int]
+    *,
+    batches: Sequence[int],
+    lengths: Sequence[int],
+    trees: Sequence[int],
+    config: LlamaConfig | None = None,
+    cache_size: int = 0,
 ) -> list[TreeAttentionShape]:
-    """The benchmark grid, small to large."""
+    """The benchmark grid, small to large: `config`'s attention (Llama-3.1-8B's by default),
+    in a cache of `cache_size` positions (0: each committed length's own)."""
+    heads = {}
+    if config is not None:
+        heads = {
+            "num_q_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+        }
     return [
-        TreeAttentionShape(batch=b, cache_len=length, num_tree=n)
+        TreeAttentionShape(batch=b, cache_len=length, num_tree=n, cache_size=cache_size, **heads)
         for n in trees
         for length in lengths
         for b in batches

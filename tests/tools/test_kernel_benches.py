@@ -1,13 +1,16 @@
-"""The host side of `specrun bench skinny-mm` and `specrun bench gpt-fast` (both time on a GPU):
-the tilings a sweep tries, the summary row, and the argument checks that come before any
-device work."""
+"""The host side of `specrun bench kernels`, `skinny-mm` and `gpt-fast` (all time on a GPU): the
+configs a sweep tries, the benchmark grid, the summary row, and the argument checks that come
+before any device work."""
 
 from __future__ import annotations
 
 import pytest
 
 from specrun.runtime.kernels.skinny_mm import MAX_ROWS
+from specrun.tools import kernel_bench
+from specrun.tools.bench import _row as kernels_row
 from specrun.tools.cli import main
+from specrun.tools.random_models import SHAPES
 from specrun.tools.skinny_mm_bench import row, sweep_configs
 
 
@@ -28,12 +31,46 @@ def test_a_row_names_the_shape_and_every_contender_that_ran():
     assert text.split()[4] == "-"  # inductor did not run at 4 rows
 
 
+def test_tree_attention_grid_takes_a_models_heads_and_a_cache_larger_than_the_prefix():
+    smollm2 = SHAPES["smollm2-135m"].target
+    shapes = kernel_bench.tree_attention_shapes(
+        batches=[1], lengths=[256, 1024], trees=[40], config=smollm2, cache_size=4512
+    )
+    assert [s.cache_len for s in shapes] == [256, 1024]
+    first = shapes[0]
+    assert (first.num_q_heads, first.num_kv_heads, first.head_dim) == (9, 3, 64)
+    assert first.num_positions == 4512 and first.num_rows == 120
+    # The floor counts the committed keys only; the memory check, the whole cache.
+    assert first.input_bytes() > first.floor_bytes()
+    default = kernel_bench.tree_attention_shapes(batches=[2], lengths=[512], trees=[8])[0]
+    assert default.num_positions == 512 and default.num_rows == 32  # 8B: 4 heads per KV head
+
+
+def test_a_tree_attention_sweep_tries_row_tiles_up_to_the_rows_it_has():
+    one_query = kernel_bench.TreeAttentionShape(batch=1, cache_len=256, num_tree=1)
+    many = kernel_bench.TreeAttentionShape(batch=1, cache_len=256, num_tree=60)
+    few, lots = kernel_bench.sweep_configs(one_query), kernel_bench.sweep_configs(many)
+    assert {c.block_r for c in few} == {16} and {c.block_r for c in lots} == {16, 32, 64}
+    assert len(set(lots)) == len(lots) and {c.num_splits for c in lots} == {1, 2, 4, 8, 16, 32}
+
+
+def test_a_kernels_row_shows_the_sweeps_best_config_where_one_ran():
+    point = {"num_tree": 40, "cache_len": 256, "batch": 1, "floor_us": 1.0, "kernel_us": 8.0,
+             "floor_fraction": 0.125, "sdpa_gqa_us": 30.0, "sdpa_expanded_us": None,
+             "config": {"num_splits": 6}, "meets_floor_target": True,
+             "beats_sdpa": True}  # fmt: skip
+    assert "r16" not in kernels_row(point)
+    best = {"block_r": 16, "block_n": 64, "num_splits": 4}
+    assert kernels_row(point | {"best_us": 7.5, "best_config": best}).endswith("7.5 r16/n64/s4")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["bench", "skinny-mm", "--shapes", "qkv", "attn"], "unknown --shapes"),
         (["bench", "skinny-mm", "--rows", "1", str(MAX_ROWS + 1)], "--rows"),
         (["bench", "gpt-fast", "--path", "/nonexistent"], "no gpt-fast checkout"),
+        (["bench", "kernels", "--lengths", "512", "8192", "--cache-size", "4096"], "below"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_device_work(argv, message, capsys):
