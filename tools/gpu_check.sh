@@ -16,7 +16,9 @@
 #                   ones; 4 min on two H200s, most of it the compiled engine's warm-up)
 #   PART all        every part above (more than one call's 10 minutes with empty caches)
 # SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks
-# (tree attention, then the skinny products); SPECRUN_BENCH_DECODE="1 2" the decode benchmark
+# (tree attention, then the skinny products); SPECRUN_BENCH_SWEEP=1 tree attention on the batch-1
+# round shapes of both models (step, draft level, verification) with the launch table against the
+# fastest of a sweep (about 2 minutes); SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket);
 # SPECRUN_BENCH_GPT_FAST=DIR (a gpt-fast checkout) the batch-1 plain step at 128 tokens of
 # context, then gpt-fast's own loop on the same shapes (about 3 minutes together);
@@ -68,6 +70,14 @@ timeout -s INT "${SPECRUN_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -v -rA -p
     --durations=0 "${selection[@]}" "$@" > "$log" 2>&1 || status=1
 if [ -n "${stack_signal:-}" ]; then kill "$stack_signal" 2> /dev/null; fi
 grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|s (call|setup) " "$log"
+if [ -n "${SPECRUN_BENCH_SWEEP:-}" ]; then
+    for model in smollm2-135m:"1 8 40" llama-3.1-8b:"1 60"; do
+        timeout 200 python3 -m specrun.tools.cli bench kernels --model "${model%%:*}" --batch 1 \
+            --lengths 128 256 1024 3000 --trees ${model#*:} --cache-size 4512 --sweep \
+            --json "$OUT/bench_sweep_${model%%:*}.jsonl" 2> "$OUT/bench_sweep_${model%%:*}.err" \
+            | grep -v '^{'
+    done
+fi
 if [ -n "${SPECRUN_BENCH:-}" ]; then
     timeout 300 python3 -m specrun.tools.cli bench kernels --json "$OUT/bench_kernels.jsonl" \
         2> "$OUT/bench_kernels.err" | tee "$OUT/bench_kernels.log" | grep -v '^{'
