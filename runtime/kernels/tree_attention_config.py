@@ -19,15 +19,21 @@ from dataclasses import dataclass
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-# Below one program per multiprocessor, the prefix is split until there are about this many.
-_TARGET_PROGRAMS_PER_SM = 1
+# Caches of at most this many positions per slot (the engine's default 2048, `bench decode`'s
+# 4.5k) take the small-batch table measured on them; longer ones keep the table tuned for long
+# contexts, where 16-row tiles would read every K/V block once per 16 rows.
+_SHORT_CACHE = 4608
+# Below one program per multiprocessor, the prefix is split until there are about this many
+# (short caches: 1; long ones: 2).
+_PROGRAMS_PER_SM = {True: 1, False: 2}
 # A split of a full cache reads at least this many key blocks, so its partial write stays small
 # next to it.
 _MIN_BLOCKS_PER_SPLIT = 4
 # Prefix splits + the tree split stay <= 64: the combine kernel loads them all at once.
 _MAX_SPLITS = 63
-# Past this many output rows (slots x query heads x tree queries) the prefix is not split: the
-# partials' writes and the combine kernel, one program per row, cost more than the splits gain.
+# Past this many output rows (slots x query heads x tree queries) the prefix of a short cache
+# is not split: the partials' writes and the combine kernel, one program per row, cost more
+# than the splits gain.
 _MAX_SPLIT_OUTPUT_ROWS = 1024
 _BITS_PER_WORD = 64
 # A dynamic call's rows per KV head are assumed many (a prefill).
@@ -96,37 +102,35 @@ def _many_slot_block_r(num_rows: int) -> int:
 
 
 def _tile_shape(
-    num_rows: int, head_dim: int, *, num_slot_heads: int, num_sms: int
-) -> tuple[int, int, int]:
-    """(block_r, block_n, num_warps) for `num_rows` rows per KV head and `num_slot_heads`
-    (slot, KV head) pairs.
+    num_rows: int, head_dim: int, *, num_slot_heads: int, num_sms: int, short_cache: bool
+) -> tuple[int, int]:
+    """(block_r, block_n) for `num_rows` rows per KV head and `num_slot_heads` (slot, KV head)
+    pairs.
 
-    Where 16-row tiles take no more programs than there are multiprocessors (small batches),
-    they run: the call is bound by latency, and more, shorter programs finish sooner; else
-    `_many_slot_block_r`. Few rows per KV head read 32-key blocks, many 64 where the tiles
-    are 16 rows.
+    Long caches: `_many_slot_block_r`, 64-key blocks for few rows (bandwidth-bound) and 32 for
+    many. Short caches: where 16-row tiles take no more programs than there are
+    multiprocessors (small batches), they run: the call is bound by latency, and more,
+    shorter programs finish sooner; few rows per KV head read 32-key blocks, many 64 where the
+    tiles are 16 rows.
     """
     block_r = _many_slot_block_r(num_rows)
+    if not short_cache:
+        return block_r, 64 if block_r <= 32 and head_dim <= 128 else 32
     if num_slot_heads * _cdiv(num_rows, 16) <= num_sms:
         block_r = 16
-    return block_r, _block_n(num_rows, block_r, head_dim), 4
-
-
-def _block_n(num_rows: int, block_r: int, head_dim: int) -> int:
-    if head_dim <= 128 and block_r == 16 and num_rows > 32:
-        return 64
-    return 32
+    return block_r, 64 if block_r == 16 and num_rows > 32 and head_dim <= 128 else 32
 
 
 def num_prefix_splits(*, num_programs: int, cache_size: int, block_n: int, num_sms: int) -> int:
     """How many ranges the prefix is split into for `num_programs` programs per split and a
     cache of `cache_size` keys: none once the programs cover the multiprocessors (a combine
-    pass costs more than it gains), else about _TARGET_PROGRAMS_PER_SM programs per
-    multiprocessor (a short committed prefix uses fewer of them: see the kernel)."""
+    pass costs more than it gains), else about `_PROGRAMS_PER_SM` programs per multiprocessor
+    (a short committed prefix uses fewer of them: see the kernel)."""
     num_blocks = max(1, _cdiv(cache_size, block_n))
     wanted = 1
     if num_programs < num_sms:
-        wanted = _cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, num_programs)
+        programs_per_sm = _PROGRAMS_PER_SM[cache_size <= _SHORT_CACHE]
+        wanted = _cdiv(programs_per_sm * num_sms, num_programs)
     return max(1, min(wanted, num_blocks // _MIN_BLOCKS_PER_SPLIT, _MAX_SPLITS))
 
 
@@ -151,15 +155,22 @@ def launch_config(
 
     If batch, num_rows or cache_size is symbolic (traced with dynamic shapes), or `fixed`,
     the config reads none of them: many-row tiles and one split over the whole prefix.
+    Caches of at most `_SHORT_CACHE` positions take the small-batch table, longer ones the
+    long-context one.
     """
     if fixed or not all(is_concrete_int(size) for size in (batch, num_rows, cache_size)):
         return _fixed_launch_config(head_dim)
-    block_r, block_n, num_warps = _tile_shape(
-        num_rows, head_dim, num_slot_heads=batch * num_kv_heads, num_sms=num_sms
+    short_cache = cache_size <= _SHORT_CACHE
+    block_r, block_n = _tile_shape(
+        num_rows,
+        head_dim,
+        num_slot_heads=batch * num_kv_heads,
+        num_sms=num_sms,
+        short_cache=short_cache,
     )
     num_programs = batch * num_kv_heads * _cdiv(num_rows, block_r)
     num_splits = 1
-    if batch * num_kv_heads * num_rows <= _MAX_SPLIT_OUTPUT_ROWS:
+    if not short_cache or batch * num_kv_heads * num_rows <= _MAX_SPLIT_OUTPUT_ROWS:
         num_splits = num_prefix_splits(
             num_programs=num_programs, cache_size=cache_size, block_n=block_n, num_sms=num_sms
         )
@@ -169,16 +180,18 @@ def launch_config(
         block_r=block_r,
         block_n=block_n,
         num_splits=num_splits,
-        num_warps=num_warps,
+        num_warps=4,
         num_stages=3 if long_loop and head_dim <= 128 else 2,
     )
 
 
 def _fixed_launch_config(head_dim: int) -> LaunchConfig:
-    block_r = _many_slot_block_r(_DYNAMIC_NUM_ROWS)
+    block_r, block_n = _tile_shape(
+        _DYNAMIC_NUM_ROWS, head_dim, num_slot_heads=1, num_sms=1, short_cache=False
+    )
     return LaunchConfig(
         block_r=block_r,
-        block_n=_block_n(_DYNAMIC_NUM_ROWS, block_r, head_dim),
+        block_n=block_n,
         num_splits=1,
         num_warps=4,
         num_stages=3 if head_dim <= 128 else 2,

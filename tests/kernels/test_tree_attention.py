@@ -219,21 +219,27 @@ def test_symbolic_shapes_get_one_config_without_guards():
 
 
 @pytest.mark.parametrize(
-    ("batch", "num_kv_heads", "num_rows", "head_dim", "expected"),
+    ("batch", "num_kv_heads", "num_rows", "head_dim", "cache_size", "expected"),
     [
-        # (block_r, block_n, num_splits) measured fastest on an H200 at 128-3000 keys.
-        pytest.param(1, 3, 3 * 40, 64, (16, 64, 6), id="smollm2-verify-b1"),
-        pytest.param(1, 3, 3, 64, (16, 32, 35), id="smollm2-step-b1"),
-        pytest.param(16, 3, 3 * 16, 64, (64, 32, 1), id="smollm2-verify-b16"),
-        pytest.param(1, 8, 4 * 60, 128, (16, 64, 1), id="8b-verify-b1"),
-        pytest.param(32, 8, 4 * 8, 128, (32, 32, 1), id="8b-verify-b32"),
+        # (block_r, block_n, num_splits) measured fastest on an H200 at 128-3000 keys of a
+        # 4512-position cache.
+        pytest.param(1, 3, 3 * 40, 64, 4512, (16, 64, 6), id="smollm2-verify-b1"),
+        pytest.param(1, 3, 3, 64, 4512, (16, 32, 35), id="smollm2-step-b1"),
+        pytest.param(16, 3, 3 * 16, 64, 4512, (64, 32, 1), id="smollm2-verify-b16"),
+        pytest.param(1, 8, 4 * 60, 128, 4512, (16, 64, 1), id="8b-verify-b1"),
+        pytest.param(32, 8, 4 * 8, 128, 4512, (32, 32, 1), id="8b-verify-b32"),
+        # Long caches keep the long-context table (64-row tiles, about 2 programs per SM).
+        pytest.param(1, 8, 4 * 60, 128, 32768, (64, 32, 9), id="8b-verify-b1-32k"),
+        pytest.param(8, 8, 4 * 8, 128, 8192, (32, 64, 5), id="8b-n8-b8-8k"),
     ],
 )
-def test_launch_config_for_round_shapes(batch, num_kv_heads, num_rows, head_dim, expected):
-    # Small batches take 16-row tiles (more, shorter programs); the prefix is split only
-    # while the partials stay few (many output rows: no split, no combine kernel).
+def test_launch_config_for_round_shapes(
+    batch, num_kv_heads, num_rows, head_dim, cache_size, expected
+):
+    # Small batches over short caches take 16-row tiles (more, shorter programs); the prefix
+    # is split only while the partials stay few (many output rows: no split, no combine).
     config = launch_config(
-        batch=batch, num_kv_heads=num_kv_heads, num_rows=num_rows, cache_size=4512,
+        batch=batch, num_kv_heads=num_kv_heads, num_rows=num_rows, cache_size=cache_size,
         head_dim=head_dim, num_sms=132,
     )  # fmt: skip
     assert (config.block_r, config.block_n, config.num_splits) == expected
