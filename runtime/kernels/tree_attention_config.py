@@ -23,9 +23,9 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 # 4.5k) take the small-batch table measured on them; longer ones keep the table tuned for long
 # contexts, where 16-row tiles would read every K/V block once per 16 rows.
 _SHORT_CACHE = 4608
-# Below one program per multiprocessor, the prefix is split until there are about this many
-# (short caches: 1; long ones: 2).
-_PROGRAMS_PER_SM = {True: 1, False: 2}
+# Below one program per multiprocessor, the prefix is split until there are about this many.
+_SHORT_CACHE_PROGRAMS_PER_SM = 1
+_LONG_CACHE_PROGRAMS_PER_SM = 2
 # A split of a full cache reads at least this many key blocks, so its partial write stays small
 # next to it.
 _MIN_BLOCKS_PER_SPLIT = 4
@@ -124,12 +124,14 @@ def _tile_shape(
 def num_prefix_splits(*, num_programs: int, cache_size: int, block_n: int, num_sms: int) -> int:
     """How many ranges the prefix is split into for `num_programs` programs per split and a
     cache of `cache_size` keys: none once the programs cover the multiprocessors (a combine
-    pass costs more than it gains), else about `_PROGRAMS_PER_SM` programs per multiprocessor
-    (a short committed prefix uses fewer of them: see the kernel)."""
+    pass costs more than it gains), else a few programs per multiprocessor (a short
+    committed prefix uses fewer of them: see the kernel)."""
     num_blocks = max(1, _cdiv(cache_size, block_n))
     wanted = 1
     if num_programs < num_sms:
-        programs_per_sm = _PROGRAMS_PER_SM[cache_size <= _SHORT_CACHE]
+        programs_per_sm = _LONG_CACHE_PROGRAMS_PER_SM
+        if cache_size <= _SHORT_CACHE:
+            programs_per_sm = _SHORT_CACHE_PROGRAMS_PER_SM
         wanted = _cdiv(programs_per_sm * num_sms, num_programs)
     return max(1, min(wanted, num_blocks // _MIN_BLOCKS_PER_SPLIT, _MAX_SPLITS))
 
