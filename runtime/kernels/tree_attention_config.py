@@ -121,17 +121,16 @@ def _tile_shape(
     return block_r, 64 if block_r == 16 and num_rows > 32 and head_dim <= 128 else 32
 
 
-def num_prefix_splits(*, num_programs: int, cache_size: int, block_n: int, num_sms: int) -> int:
+def num_prefix_splits(
+    *, num_programs: int, cache_size: int, block_n: int, num_sms: int, programs_per_sm: int
+) -> int:
     """How many ranges the prefix is split into for `num_programs` programs per split and a
     cache of `cache_size` keys: none once the programs cover the multiprocessors (a combine
-    pass costs more than it gains), else a few programs per multiprocessor (a short
-    committed prefix uses fewer of them: see the kernel)."""
+    pass costs more than it gains), else about `programs_per_sm` programs per multiprocessor
+    (a short committed prefix uses fewer of them: see the kernel)."""
     num_blocks = max(1, _cdiv(cache_size, block_n))
     wanted = 1
     if num_programs < num_sms:
-        programs_per_sm = _LONG_CACHE_PROGRAMS_PER_SM
-        if cache_size <= _SHORT_CACHE:
-            programs_per_sm = _SHORT_CACHE_PROGRAMS_PER_SM
         wanted = _cdiv(programs_per_sm * num_sms, num_programs)
     return max(1, min(wanted, num_blocks // _MIN_BLOCKS_PER_SPLIT, _MAX_SPLITS))
 
@@ -174,7 +173,13 @@ def launch_config(
     num_splits = 1
     if not short_cache or batch * num_kv_heads * num_rows <= _MAX_SPLIT_OUTPUT_ROWS:
         num_splits = num_prefix_splits(
-            num_programs=num_programs, cache_size=cache_size, block_n=block_n, num_sms=num_sms
+            num_programs=num_programs,
+            cache_size=cache_size,
+            block_n=block_n,
+            num_sms=num_sms,
+            programs_per_sm=(
+                _SHORT_CACHE_PROGRAMS_PER_SM if short_cache else _LONG_CACHE_PROGRAMS_PER_SM
+            ),
         )
     # A third stage pays on long per-program loops, not on short split ranges of few rows.
     long_loop = num_splits == 1 or block_r > 32

@@ -71,11 +71,11 @@ def _prefix_share(cache_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
 # Arguments that vary with a prefill's prompt length: left unspecialised (Triton would
 # otherwise compile a variant per "== 1" / "% 16 == 0" case), so the kernel compiled for one
 # length, at warm-up or in ahead-of-time artifacts, serves every length that gets the same
-# launch config.
-_LENGTH_ARGS = ("sa_b", "sa_m", "num_queries", "num_tree", "min_split_len")
+# launch config; so does the minimum share, which only a sweep varies.
+_UNSPECIALISED_ARGS = ("sa_b", "sa_m", "num_queries", "num_tree", "min_split_len")
 
 
-@triton.jit(do_not_specialize=_LENGTH_ARGS)
+@triton.jit(do_not_specialize=_UNSPECIALISED_ARGS)
 def _tree_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, cache_len_ptr, kt_ptr, vt_ptr, anc_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
