@@ -18,6 +18,8 @@ prefilled, so that timing needs no prompt forward. Per point:
   back, whose idle time is the gaps between kernels inside the graph, not the host;
 - from the profile of back-to-back replays, the kernels a round launches: how many, their
   summed time, and the costliest by name (what a launch-bound round spends its time on);
+  the same for the draft phase's graph alone, which tells the draft's kernels from
+  verification's;
 - optionally, the prefill of a batch of random prompts through the decoder's public stream
   (the time to the first token once everything is compiled).
 
@@ -163,9 +165,10 @@ def bench_bucket(
         point["weight_floor_fraction"] = point["weight_floor_ms"] / point["round_ms"]
     elif draft_split:
         refill()
-        point["draft_ms"] = _draft_phase_ms(
-            head, state, tree, num_rounds=num_rounds, compile=compile
-        )
+        point |= _draft_phase(
+            head, state, tree, num_rounds=num_rounds, compile=compile,
+            profile_rounds=profile_rounds, num_top_kernels=num_top_kernels,
+        )  # fmt: skip
         point["verify_ms"] = point["round_ms"] - point["draft_ms"]
     else:
         point["draft_ms"] = point["verify_ms"] = None
@@ -264,19 +267,36 @@ def prefill_ms(decoder: Decoder, bucket: int, *, prompt_length: int, num_runs: i
     return statistics.median(times[1:]) * 1e3
 
 
-def _draft_phase_ms(
-    head: DraftHead, state: SpecState, tree: TreeShape, *, num_rounds: int, compile: bool
-) -> float:
-    """The draft phase of a round alone, compiled (or eager) and captured like the round (on
-    the CPU: eager calls)."""
+def _draft_phase(
+    head: DraftHead,
+    state: SpecState,
+    tree: TreeShape,
+    *,
+    num_rounds: int,
+    compile: bool,
+    profile_rounds: int,
+    num_top_kernels: int,
+) -> dict:
+    """The draft phase of a round alone, compiled (or eager) and captured like the round:
+    `draft_ms`, and with `num_top_kernels` and `profile_rounds` the kernel table of
+    `profile_rounds` replays (`draft_kernels_per_round`, `draft_kernel_us_per_round`,
+    `draft_top_kernels`): which of the round's kernels are the draft's. On the CPU: eager
+    calls, timed only."""
     step = compile_step(draft_phase, name="draft_phase") if compile else _eager(draft_phase)
     device = state.root.device
     if device.type != "cuda":
-        return time_replays(lambda: step(head, state, tree), num_rounds=num_rounds, device=device)
+        run = functools.partial(step, head, state, tree)
+        return {"draft_ms": time_replays(run, num_rounds=num_rounds, device=device) * 1e3}
     runner = CudaGraphRunner(device)
     runner.capture("draft", lambda: step(head, state, tree))
     try:
-        return time_replays(lambda: runner.replay("draft"), num_rounds=num_rounds) * 1e3
+        replay = functools.partial(runner.replay, "draft")
+        fields = {"draft_ms": time_replays(replay, num_rounds=num_rounds) * 1e3}
+        if num_top_kernels and profile_rounds:
+            kernels = profile_kernels(replay, num_rounds=profile_rounds, host_loop=False)
+            table = kernel_table(kernels, num_rounds=profile_rounds, top=num_top_kernels)
+            fields |= {f"draft_{key}": value for key, value in table.items()}
+        return fields
     finally:
         runner.close()
 

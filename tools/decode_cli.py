@@ -70,7 +70,8 @@ def register(subjects: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     decode.add_argument(
         "--top-kernels", type=int, default=15,
-        help="list this many of a round's costliest kernels per point (0: none)",
+        help="list this many of a round's costliest kernels per point, and of its draft "
+        "phase alone (0: none)",
     )  # fmt: skip
     decode.add_argument(
         "--no-compile", action="store_true",
@@ -286,6 +287,14 @@ def format_kernel_table(point: dict) -> str:
         lines.append(f"  prefill of {point['prompt_length']} tokens: {point['prefill_ms']:.2f} ms")
     for name, launches, micros in point["top_kernels"]:
         lines.append(f"  {micros:8.1f} us {launches:6.1f}x  {name}")
+    if point.get("draft_top_kernels"):
+        lines.append(
+            f"  of which the draft phase alone: {point['draft_ms']:.3f} ms, "
+            f"{point['draft_kernels_per_round']:.0f} kernels, "
+            f"{point['draft_kernel_us_per_round']:.0f} us in kernels"
+        )
+        for name, launches, micros in point["draft_top_kernels"]:
+            lines.append(f"    {micros:8.1f} us {launches:6.1f}x  {name}")
     return "\n".join(lines)
 
 

@@ -41,6 +41,22 @@ def test_kernel_table_is_per_round_and_costliest_first():
     assert "prefill of 64 tokens: 3.50 ms" in format_kernel_table(
         point | {"prompt_length": 64, "prefill_ms": 3.5}
     )
+    assert "draft phase" not in text
+
+
+def test_a_rounds_kernel_table_lists_the_draft_phases_own_kernels_after_it():
+    round_spans = _spans(("gemm", 0, 4), ("topk", 4, 5), ("attention", 5, 7))
+    draft_spans = _spans(("topk", 0, 1), ("gemm", 1, 2), ("topk", 2, 3), ("gemm", 3, 4))
+    draft = kernel_table(draft_spans, num_rounds=2, top=1)
+    point = {"bucket": 1, "mode": "speculative", "tree": [6, 8, 40], "round_ms": 0.007,
+             "gpu_idle_in_graph": 0.0, "draft_ms": 0.002,
+             **kernel_table(round_spans, num_rounds=1, top=3),
+             **{f"draft_{key}": value for key, value in draft.items()}}  # fmt: skip
+    text = format_kernel_table(point)
+    head, draft_part = text.split("of which the draft phase alone")
+    assert "attention" in head and "attention" not in draft_part
+    assert ": 0.002 ms, 2 kernels, 2 us in kernels" in draft_part
+    assert draft_part.count("x  ") == 1 and "1.0x  " in draft_part
 
 
 def test_a_random_shard_from_the_same_seed_is_the_random_model():

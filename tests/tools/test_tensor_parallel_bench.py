@@ -201,6 +201,9 @@ def test_bench_decode_runs_over_two_gloo_ranks(monkeypatch, tmp_path, capsys):
         }
         assert point["execution"] == "eager" and point["tensor_parallel"] == 2
         assert point["collectives_ms"] > 0 and point["collectives_share"] > 0
+        if num_draft:  # the draft phase alone, in the round's unit (not a thousandth of it)
+            assert point["round_ms"] / 50 < point["draft_ms"]
+            assert point["verify_ms"] == pytest.approx(point["round_ms"] - point["draft_ms"])
     plain = points[0]  # at 1 GB/s, a GB of weights reads in a second
     assert plain["weight_floor_ms"] == pytest.approx(
         plain["weight_gb"] * 1e3 + plain["collectives_ms"], rel=1e-6
