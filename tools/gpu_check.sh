@@ -15,6 +15,7 @@
 #                   reference decoding does, eager rounds in CUDA graphs, then compiled
 #                   ones; 4 min on two H200s, most of it the compiled engine's warm-up)
 #   PART all        every part above (more than one call's 10 minutes with empty caches)
+#   PART bench      no tests: only the benchmarks the variables below ask for
 # SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks
 # (tree attention, then the skinny products); SPECRUN_BENCH_SWEEP=1 tree attention on the batch-1
 # round shapes of both models (step, draft level, verification) with the launch table against the
@@ -51,7 +52,9 @@ case $part in
         stacks_at=$(( ${SPECRUN_TEST_TIMEOUT:-540} - 30 ))
         logging+=(-o faulthandler_timeout=$stacks_at) ;;
     all) selection=(tests) ;;
-    *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts, tp or all" >&2; exit 2 ;;
+    bench) selection=() ;;
+    *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts, tp, all or bench" >&2
+       exit 2 ;;
 esac
 OUT=${OUT:-/tmp/specrun-gpu}
 mkdir -p "$OUT" /tmp/pkg
@@ -66,10 +69,12 @@ if [ -n "${stacks_at:-}" ]; then
     (sleep $(( stacks_at + 5 )); pkill -USR1 -f spawn_main) > /dev/null 2>&1 &
     stack_signal=$!
 fi
-timeout -s INT "${SPECRUN_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider "${logging[@]}" \
-    --durations=0 "${selection[@]}" "$@" > "$log" 2>&1 || status=1
+if [ "${#selection[@]}" -gt 0 ]; then
+    timeout -s INT "${SPECRUN_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider \
+        "${logging[@]}" --durations=0 "${selection[@]}" "$@" > "$log" 2>&1 || status=1
+    grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|s (call|setup) " "$log"
+fi
 if [ -n "${stack_signal:-}" ]; then kill "$stack_signal" 2> /dev/null; fi
-grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|s (call|setup) " "$log"
 if [ -n "${SPECRUN_BENCH_SWEEP:-}" ]; then
     for model in smollm2-135m:"1 8 40" llama-3.1-8b:"1 60"; do
         timeout 200 python3 -m specrun.tools.cli bench kernels --model "${model%%:*}" --batch 1 \
