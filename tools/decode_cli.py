@@ -285,17 +285,23 @@ def format_kernel_table(point: dict) -> str:
     ]
     if "prefill_ms" in point:
         lines.append(f"  prefill of {point['prompt_length']} tokens: {point['prefill_ms']:.2f} ms")
-    for name, launches, micros in point["top_kernels"]:
-        lines.append(f"  {micros:8.1f} us {launches:6.1f}x  {name}")
+    lines += _kernel_rows(point["top_kernels"], indent="  ")
     if point.get("draft_top_kernels"):
         lines.append(
             f"  of which the draft phase alone: {point['draft_ms']:.3f} ms, "
             f"{point['draft_kernels_per_round']:.0f} kernels, "
             f"{point['draft_kernel_us_per_round']:.0f} us in kernels"
         )
-        for name, launches, micros in point["draft_top_kernels"]:
-            lines.append(f"    {micros:8.1f} us {launches:6.1f}x  {name}")
+        lines += _kernel_rows(point["draft_top_kernels"], indent="    ")
     return "\n".join(lines)
+
+
+def _kernel_rows(top_kernels: list, *, indent: str) -> list[str]:
+    """One line per [name, launches per round, us per round] of a kernel table."""
+    return [
+        f"{indent}{micros:8.1f} us {launches:6.1f}x  {name}"
+        for name, launches, micros in top_kernels
+    ]
 
 
 def summarize(lines: list[dict], *, accept_length: float = 5.39) -> str:
