@@ -95,8 +95,9 @@ def acceptance_signals(
     (renormalised; DSDE's signal). target_logits: [B, V]; draft_logits: [B, V_draft];
     draft_to_target: [V_draft] int64. Returns [B, 2] float32."""
     log_q = draft_logits.float().log_softmax(-1)
-    log_p = target_logits.float().log_softmax(-1).index_select(-1, draft_to_target)
-    log_p = log_p - log_p.logsumexp(-1, keepdim=True)
+    # Renormalised on the draft vocabulary, p's log-softmax over the whole vocabulary cancels:
+    # one reduction over the gathered logits, not two more over every target logit.
+    log_p = target_logits.index_select(-1, draft_to_target).float().log_softmax(-1)
     p = log_p.exp()
     kl = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
     confidence = log_q.amax(-1).exp()

@@ -54,7 +54,8 @@ def _tree_attention_op(
     # (CPU, meta), and any tensors without Triton, take the reference so the op traces and
     # compiles everywhere.
     if not uses_triton(q.device):
-        return tree_attention_ref(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
+        out = tree_attention_ref(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
+        return in_output_layout(out)
     check_inputs(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale)
     batch, num_q_heads, num_queries, head_dim = q.shape
     config = launch_config(
@@ -101,9 +102,9 @@ def tree_attention(
             prompt length then serves every length, where the shape-tuned config would pick
             new tiles (and compile a new variant) for some lengths at run time.
     Returns:
-        [B, Hq, M, D] in q's dtype; a query that sees no key at all gets zeros. On CUDA its
-        memory is [B, M, Hq, D] (strides of a transpose), so the [B, M, Hq * D] input of the
-        output projection is a view of it rather than a copy.
+        [B, Hq, M, D] in q's dtype; a query that sees no key at all gets zeros. Its memory is
+        [B, M, Hq, D] (strides of a transpose) on every device, so the [B, M, Hq * D] input of
+        the output projection is a view of it rather than a copy.
     """
     return torch.ops.rt.tree_attention(
         q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=scale, fixed_config=fixed_config
@@ -179,4 +180,9 @@ def _tree_attention_cpu(
     *inputs: torch.Tensor, scale: float, fixed_config: bool = False
 ) -> torch.Tensor:
     """The op on the CPU: the reference (one implementation, no launch config to fix)."""
-    return tree_attention_ref(*inputs, scale=scale)
+    return in_output_layout(tree_attention_ref(*inputs, scale=scale))
+
+
+def in_output_layout(out: torch.Tensor) -> torch.Tensor:
+    """`out` [B, Hq, M, D] with the op's memory order, [B, M, Hq, D], whatever it had."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)

@@ -15,8 +15,12 @@ The pass anchors on each attention output (`sdpa.match_sdpa`), checks that its b
 exactly that mask and its K/V exactly those concatenations, and replaces the output by one
 `rt::tree_attention(q, k_cache, v_cache, cache_len, k_tree, v_tree, anc, scale=...)` call.
 Dead-code elimination then drops the mask and the concatenations: no [M, S + N] mask or
-concatenated K/V is built. On CUDA a match is fused only where the kernel takes the
-arguments (`check_inputs`: e.g. a power-of-two head dim); elsewhere the graph is left as is.
+concatenated K/V is built. The op writes its output in [B, M, Hq, D] memory order, the order
+the output projection reads; the copy into that order which the trace made of SDPA's
+[B, Hq, M, D] output (`transpose(1, 2).reshape(...)` with M > 1) would now copy a buffer onto
+its own layout, so the pass routes the copy's users to the transposed op output instead.
+On CUDA a match is fused only where the kernel takes the arguments (`check_inputs`: e.g. a
+power-of-two head dim); elsewhere the graph is left as is.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ _WHERES = (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.
 # masks the same way unless a row's scores span ~65504, so the bool-mask source is exact.
 # The constant is stored in the bias dtype: in bf16, -65504 rounds to -65536 (seen on an H100).
 _MASKED_VALUES = (float("-inf"), -65504.0)
+_TRANSPOSES = (aten.transpose.int, aten.permute.default)
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ class TreeAttention:
 class TreeAttentionFusion(GraphPass):
     """Replace every reference tree attention by `rt::tree_attention`; returns the number
     fused. `num_fused_by_form` counts them by the SDPA lowering they replaced,
-    `num_fixed_config` those in graphs with dynamic shapes (given one launch config), and
+    `num_fixed_config` those in graphs with dynamic shapes (given one launch config),
+    `num_output_copies_dropped` the copies of an op output onto its own layout it removed, and
     `num_unfused_by_reason` the attention calls left as they were, by why (`unfused_reason`;
     a fused attention op whose arguments `match_sdpa` does not read counts there too): every
     attention the models make is a tree attention, so any entry there is a call the Triton
@@ -99,6 +105,7 @@ class TreeAttentionFusion(GraphPass):
         self.num_fused_by_form: Counter[str] = Counter()
         self.num_fixed_config = 0
         self.num_unfused_by_reason: Counter[str] = Counter()
+        self.num_output_copies_dropped = 0
 
     def __call__(self, graph: fx.Graph) -> int:
         calls = [call for node in graph.nodes if (call := match_sdpa(node)) is not None]
@@ -118,6 +125,11 @@ class TreeAttentionFusion(GraphPass):
             logger.warning("attention %s (%s) left unfused: not recognised", op, form)
         self.num_fused_by_form.update(match.form for match, _ in fused)
         self.num_fixed_config += sum(f for _, f in fused)
+        self.num_output_copies_dropped += sum(
+            _drop_output_copy(graph, node)
+            for node in graph.nodes
+            if is_call(node, torch.ops.rt.tree_attention.default)
+        )
         return len(fused)
 
 
@@ -322,6 +334,34 @@ def _fuse(graph: fx.Graph, match: TreeAttention, fixed_config: bool) -> str | No
     match.output.replace_all_uses_with(fused)
     _erase_fused_attention(graph, match.output)
     return None
+
+
+def _drop_output_copy(graph: fx.Graph, fused: fx.Node) -> bool:
+    """Route the users of `copy(transpose(fused))` to the transpose where the copy would
+    keep the layout it copies (the op's output order); returns whether it did. Only where
+    the transpose is the op's sole user and the copy the transpose's: nothing else sees the
+    buffer the copy's users now share."""
+    transpose = _sole_user(fused)
+    if transpose is None or not is_call(transpose, *_TRANSPOSES):
+        return False
+    copy = _sole_user(transpose)
+    copied = tensor_val(copy)
+    if copied is None or not is_call(copy, aten.clone.default):
+        return False
+    output = tensor_val(fused)
+    with detect_fake_mode([output]) or contextlib.nullcontext():
+        transposed = transpose.target(output, *transpose.args[1:], **transpose.kwargs)
+    if transposed.shape != copied.shape or transposed.stride() != copied.stride():
+        return False
+    transpose.meta["val"] = transposed
+    copy.replace_all_uses_with(transpose)
+    graph.erase_node(copy)
+    return True
+
+
+def _sole_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
 
 
 def _has_symbolic_shapes(match: TreeAttention) -> bool:

@@ -60,6 +60,12 @@ def _assert_mask_gone(census: Census) -> None:
     assert not leftovers and torch.ops.aten.__rshift__.Tensor not in census.targets
 
 
+def _assert_output_copies_dropped(manager: PassManager, num_layers: int) -> None:
+    """The op writes [B, M, Hq, D] memory: the trace's copy of SDPA's [B, Hq, M, D] output
+    into that order (M > 1) is gone from every layer."""
+    assert manager.passes[0].num_output_copies_dropped == num_layers
+
+
 def _tree_anc(batch: int, parents: list[int]) -> torch.Tensor:
     num_nodes = len(parents)
     visible = torch.eye(num_nodes, dtype=torch.bool)
@@ -106,6 +112,7 @@ def test_fuses_every_target_layer_of_a_tree_verify():
     assert manager.stats["tree_attention"] == target.config.num_layers
     assert manager.passes[0].num_fused_by_form == {"flash_attention_for_cpu": 2}
     _assert_mask_gone(census)
+    _assert_output_copies_dropped(manager, target.config.num_layers)
 
 
 def test_fuses_the_math_lowering():
@@ -121,6 +128,7 @@ def test_fuses_the_math_lowering():
     _assert_close(got, want, atol=3e-2, rtol=3e-2)
     assert manager.passes[0].num_fused_by_form == {"math": 1}
     _assert_mask_gone(census)
+    _assert_output_copies_dropped(manager, 1)
 
 
 def test_fuses_a_dynamic_length_chain_prefill_without_recompiling():
@@ -165,6 +173,7 @@ def test_fuses_draft_heads_including_a_side_buffer(kind, num_side, num_layers):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-5)
     assert manager.stats["tree_attention"] == head.num_layers
     _assert_mask_gone(census)
+    _assert_output_copies_dropped(manager, head.num_layers)
 
 
 def _efficient_lowering(q, k, v, mask):
@@ -330,6 +339,7 @@ def test_gpu_bf16_verify_fuses_and_matches_eager(num_kv_heads):
     ops = sorted(str(op) for op in census.targets)
     assert manager.stats["tree_attention"] == config.num_layers, (forms, ops)
     _assert_mask_gone(census)
+    _assert_output_copies_dropped(manager, config.num_layers)
     _assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
