@@ -143,13 +143,11 @@ class Attention(nn.Module):
         num_rotated = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj.joint(x).view(B, T, num_rotated + self.num_kv_heads, self.head_dim)
         qkv = qkv.transpose(1, 2)
-        # q and k rotate as one tensor: the same positions, half the element-wise calls.
-        q, k = apply_rope(qkv[:, :num_rotated], *rope).split(
-            [self.num_heads, self.num_kv_heads], dim=1
-        )
-        # Slices of the joint tensor: concatenating them with the cache at B > 1 took the
-        # strided copy kernel, several times slower than the contiguous one.
-        q, k = q.contiguous(), k.contiguous()
+        # q and k rotate apart: one rotation feeding both copies made Inductor store a partial
+        # rotation between two kernels in every layer of a tree forward. Contiguous copies:
+        # concatenating strided slices with the cache at B > 1 took a slower copy kernel.
+        q = apply_rope(qkv[:, : self.num_heads], *rope).contiguous()
+        k = apply_rope(qkv[:, self.num_heads : num_rotated], *rope).contiguous()
         v = qkv[:, num_rotated:].contiguous()
         k_tree, v_tree = k, v
         if attn.k_side is not None:
