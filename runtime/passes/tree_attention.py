@@ -351,7 +351,10 @@ def _drop_output_copy(graph: fx.Graph, fused: fx.Node) -> bool:
     output = tensor_val(fused)
     with detect_fake_mode([output]) or contextlib.nullcontext():
         transposed = transpose.target(output, *transpose.args[1:], **transpose.kwargs)
-    if transposed.shape != copied.shape or transposed.stride() != copied.stride():
+    layouts = zip(
+        (*transposed.shape, *transposed.stride()), (*copied.shape, *copied.stride()), strict=True
+    )
+    if transposed.dim() != copied.dim() or not all(same(a, b) for a, b in layouts):
         return False
     transpose.meta["val"] = transposed
     copy.replace_all_uses_with(transpose)

@@ -146,6 +146,7 @@ def test_fuses_a_dynamic_length_chain_prefill_without_recompiling():
     assert step.manager.stats["tree_attention"] == target.config.num_layers
     # Dynamic shapes: one launch config, so one kernel variant serves every length.
     assert step.manager.passes[0].num_fixed_config == target.config.num_layers
+    _assert_output_copies_dropped(step.manager, target.config.num_layers)
 
 
 @pytest.mark.parametrize(
