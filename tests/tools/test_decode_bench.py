@@ -74,3 +74,19 @@ def test_a_random_shard_from_the_same_seed_is_the_random_model():
         torch.testing.assert_close(prompt_logits(shard, [1, 2, 3]), prompt_logits(whole, [1, 2, 3]))
     finally:
         dist.destroy_process_group()
+
+
+def test_num_layers_keeps_the_first_layers_of_the_shapes():
+    from specrun.tools.cli import build_parser
+    from specrun.tools.decode_cli import target_config
+    from specrun.tools.random_models import SHAPES
+
+    parse = build_parser().parse_args
+    shapes = SHAPES["smollm2-135m"].target
+    assert target_config(parse(["bench", "decode", "--shapes", "smollm2-135m"])) == shapes
+    two = target_config(parse(["bench", "decode", "--shapes", "smollm2-135m", "--num-layers", "2"]))
+    assert two.num_layers == 2 and two.hidden_size == shapes.hidden_size
+    for bad in ("0", str(shapes.num_layers + 1)):
+        args = parse(["bench", "decode", "--shapes", "smollm2-135m", "--num-layers", bad])
+        with pytest.raises(ValueError, match="--num-layers must be in"):
+            target_config(args)

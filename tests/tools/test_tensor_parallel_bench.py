@@ -181,7 +181,7 @@ def test_bench_decode_runs_over_two_gloo_ranks(monkeypatch, tmp_path, capsys):
         shapes="tiny", buckets=[1, 2], context=7, rounds=2, profile_rounds=None,
         draft_vocab=None, accept_length=5.39, modes=["plain", "spec"], tree=[3, 2, 5],
         stochastic=False, prompt_length=0, top_kernels=5, no_compile=True,
-        no_draft_split=False, tp=2, json=str(tmp_path / "points.jsonl"),
+        no_draft_split=False, num_layers=None, tp=2, json=str(tmp_path / "points.jsonl"),
     )  # fmt: skip
     ranks = spawn_ranks(2, device_type="cpu", entry=bench_decode_rank, args=(args, shapes))
     try:
