@@ -125,11 +125,8 @@ class TreeAttentionFusion(GraphPass):
             logger.warning("attention %s (%s) left unfused: not recognised", op, form)
         self.num_fused_by_form.update(match.form for match, _ in fused)
         self.num_fixed_config += sum(f for _, f in fused)
-        self.num_output_copies_dropped += sum(
-            _drop_output_copy(graph, node)
-            for node in graph.nodes
-            if is_call(node, torch.ops.rt.tree_attention.default)
-        )
+        ops = [n for n in graph.nodes if is_call(n, torch.ops.rt.tree_attention.default)]
+        self.num_output_copies_dropped += sum(_drop_output_copy(graph, op) for op in ops)
         return len(fused)
 
 

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from specrun.models.tensor_parallel import Sharding
-from specrun.tools.decode_cli import format_kernel_table
-from specrun.tools.random_models import random_target
+from specrun.tools.cli import build_parser
+from specrun.tools.decode_cli import format_kernel_table, target_config
+from specrun.tools.random_models import SHAPES, random_target
 from specrun.tools.round_timing import KernelSpan, idle_fraction, kernel_table
 from tiny_models import prompt_logits, tiny_config
 
@@ -77,10 +78,6 @@ def test_a_random_shard_from_the_same_seed_is_the_random_model():
 
 
 def test_num_layers_keeps_the_first_layers_of_the_shapes():
-    from specrun.tools.cli import build_parser
-    from specrun.tools.decode_cli import target_config
-    from specrun.tools.random_models import SHAPES
-
     parse = build_parser().parse_args
     shapes = SHAPES["smollm2-135m"].target
     assert target_config(parse(["bench", "decode", "--shapes", "smollm2-135m"])) == shapes
