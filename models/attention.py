@@ -51,6 +51,15 @@ def pack_ancestor_mask(mask: torch.Tensor) -> torch.Tensor:
     return (bits << shifts).sum(-1)
 
 
+def key_bits(keys: torch.Tensor, num_words: int) -> torch.Tensor:
+    """The bitmask of one tree key each: keys [...] int64 (each < 64 * num_words) ->
+    [..., num_words] int64 with only bit `key` set. ORed into a packed mask, it adds the key
+    without unpacking the mask."""
+    word = torch.arange(num_words, device=keys.device)
+    bit = torch.ones_like(keys) << (keys % BITS_PER_WORD)
+    return torch.where(word == (keys // BITS_PER_WORD)[..., None], bit[..., None], 0)
+
+
 def chain_ancestors(batch: int, length: int, device: torch.device | str) -> torch.Tensor:
     """Causal (chain) ancestor bitmask: node i sees nodes 0..i. Returns [batch, length, W]."""
     idx = torch.arange(length, device=device)

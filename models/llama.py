@@ -54,18 +54,35 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        column_freq, sin_sign = _rope_columns(config)
+        self.register_buffer("column_freq", column_freq, persistent=False)
+        self.register_buffer("sin_sign", sin_sign, persistent=False)
 
     def init_buffers(self, device: torch.device | str) -> None:
-        """Recompute the non-persistent buffer after meta-device construction."""
-        self.inv_freq = rope_inv_freq(self.config, device)
+        """Recompute the non-persistent buffers after meta-device construction."""
+        self.column_freq, self.sin_sign = _rope_columns(self.config, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions: [B, T] int64. Returns cos and the signed sin (see apply_rope):
         [B, 1, T, head_dim] in `dtype`."""
-        freqs = (positions[..., None].float() * self.inv_freq)[:, None]
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+        # One frequency per column, not two concatenated halves: a rotation inlined into a
+        # copy computes one sin and one cos an element, and stays small enough for Inductor
+        # to inline it whole into the draft's side-buffer copies (the same values: the sign
+        # multiplies exactly).
+        freqs = (positions[..., None].float() * self.column_freq)[:, None]
+        return freqs.cos().to(dtype), (freqs.sin() * self.sin_sign).to(dtype)
+
+
+def _rope_columns(
+    config: LlamaConfig, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per column of a head: its inverse frequency and the sign of its sin term, each
+    [head_dim] float32 (the rotate-half convention: column d pairs with d +- head_dim / 2)."""
+    inv_freq = rope_inv_freq(config, device)
+    half = inv_freq.shape[0]
+    sign = torch.ones(2 * half, device=device)
+    sign[:half] = -1.0
+    return torch.cat([inv_freq, inv_freq]), sign
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,15 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from ..models.attention import chain_ancestors, expand_ancestor_mask, pack_ancestor_mask
+from ..models.attention import (
+    chain_ancestors,
+    expand_ancestor_mask,
+    key_bits,
+    num_mask_words,
+    pack_ancestor_mask,
+)
 from ..models.eagle import DraftHead, DraftOutput
 from ..models.llama import AttentionInputs
 from .kv_cache import KVCache
@@ -30,6 +37,7 @@ from .tree import (
     ancestor_bitmask,
     expand_level,
     first_level,
+    log_norm_from_top,
     rerank,
 )
 
@@ -50,8 +58,9 @@ class PendingPairs:
 @dataclass
 class Frontier:
     """The K nodes of the level being expanded: tokens [B, K], features [B, K, H] (their
-    parents' draft hidden states), scores [B, K], candidate indices [B, K], and anc [B, K, S]:
-    which side-buffer slots (earlier frontier nodes) each node descends from."""
+    parents' draft hidden states), scores [B, K], candidate indices [B, K], and anc [B, K, W]
+    int64: the side-buffer slots (earlier frontier nodes) each node descends from, packed as
+    an ancestor bitmask (bit s: slot s; no words before the first level)."""
 
     tokens: torch.Tensor
     features: torch.Tensor
@@ -111,7 +120,9 @@ def draft_tree(
     for level in range(1, shape.depth):
         frontier, side, level_cands = _expand(head, cache, frontier, side, level, shape)
         cands = cands.then(level_cands)
-    return dataclasses.replace(rerank(root, cands, shape), root_logits=root_logits)
+    tree = rerank(root, cands, shape)
+    root_log_norm = log_norm_from_top(root_logits, tokens, scores)
+    return dataclasses.replace(tree, root_logits=root_logits, root_log_norm=root_log_norm)
 
 
 def first_frontier(
@@ -127,7 +138,7 @@ def first_frontier(
         features=root_feature[:, None].expand(-1, topk, -1),
         scores=scores,
         candidate=candidate,
-        anc=torch.zeros(batch, topk, 0, dtype=torch.bool, device=device),
+        anc=torch.zeros(batch, topk, 0, dtype=torch.int64, device=device),
     )
     return frontier, Candidates(tokens, scores, torch.full_like(tokens, -1))
 
@@ -159,17 +170,16 @@ def run_frontier(
 ) -> tuple[DraftOutput, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The head over the level-`level` frontier, attending to the cache, the side buffer and
     itself. Returns its output (logits [B, K, V_draft]: the frontier's children), the
-    frontier's visibility [B, K, S + K] over the side buffer's slots, and the side buffer grown
-    by the frontier's K/V."""
-    batch, topk = frontier.tokens.shape
-    device = frontier.tokens.device
-    itself = torch.eye(topk, dtype=torch.bool, device=device).expand(batch, -1, -1)
-    visible = torch.cat([frontier.anc, itself], dim=-1)
+    frontier's visibility [B, K, W] int64, the ancestor bitmask over the S side-buffer slots
+    and the frontier's own K (slots S..S+K-1), and the side buffer grown by the frontier's K/V."""
+    topk = frontier.tokens.shape[1]
+    num_side = 0 if side is None else side[0].shape[3]
+    visible = frontier_visibility(frontier.anc, num_side)
     attn = AttentionInputs(
         cache.k,
         cache.v,
         cache.lengths,
-        pack_ancestor_mask(visible),
+        visible,
         None if side is None else side[0],
         None if side is None else side[1],
     )
@@ -178,6 +188,19 @@ def run_frontier(
     side_k = out.k_new if side is None else torch.cat([side[0], out.k_new], dim=3)
     side_v = out.v_new if side is None else torch.cat([side[1], out.v_new], dim=3)
     return out, visible, (side_k, side_v)
+
+
+def frontier_visibility(anc: torch.Tensor, num_side: int) -> torch.Tensor:
+    """What each of K frontier nodes attends to among the tree keys: its ancestors in the side
+    buffer and itself. anc: [B, K, W] int64 packed ancestors over the `num_side` side-buffer
+    slots (Frontier.anc). Returns [B, K, W'] int64 packed over num_side + K keys (node k is
+    key num_side + k)."""
+    topk = anc.shape[1]
+    num_words = num_mask_words(num_side + topk)
+    # Packed throughout: a node ORs its own bit into its parent's words, so no level unpacks
+    # and re-packs a boolean mask (a reduction kernel a level in compiled rounds).
+    words = F.pad(anc, (0, num_words - anc.shape[-1]))
+    return words | key_bits(num_side + torch.arange(topk, device=anc.device), num_words)
 
 
 def next_level(

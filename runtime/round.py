@@ -87,14 +87,22 @@ def round_report(
 
 
 def acceptance_signals(
-    target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_to_target: torch.Tensor
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor,
+    draft_to_target: torch.Tensor,
+    *,
+    draft_log_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What the round tells about its draft beyond the accepted length, at the root and at
     temperature 1: the draft's confidence (its top probability) and the KL divergence
     KL(p || q) of its distribution q from the target's p restricted to the draft vocabulary
     (renormalised; DSDE's signal). target_logits: [B, V]; draft_logits: [B, V_draft];
-    draft_to_target: [V_draft] int64. Returns [B, 2] float32."""
-    log_q = draft_logits.float().log_softmax(-1)
+    draft_to_target: [V_draft] int64; draft_log_norm: [B] float32 logsumexp of draft_logits
+    if the draft has it (Tree.root_log_norm), else None. Returns [B, 2] float32."""
+    if draft_log_norm is None:
+        log_q = draft_logits.float().log_softmax(-1)
+    else:
+        log_q = draft_logits.float() - draft_log_norm[:, None]
     # Renormalised on the draft vocabulary, p's log-softmax over the whole vocabulary cancels:
     # one reduction over the gathered logits, not two more over every target logit.
     log_p = target_logits.index_select(-1, draft_to_target).float().log_softmax(-1)
@@ -150,7 +158,9 @@ def verify_phase(
     logits = target.logits(out.hidden)
     draft_ids = torch.arange(tree.root_logits.shape[-1], device=logits.device)
     draft_to_target = head.to_target_ids(draft_ids)
-    signals = acceptance_signals(logits[:, 0], tree.root_logits, draft_to_target)
+    signals = acceptance_signals(
+        logits[:, 0], tree.root_logits, draft_to_target, draft_log_norm=tree.root_log_norm
+    )
     if draft is None:
         # One draw from the target at every node; each is used at most once along the path.
         drawn = draw_tokens(logits, state.sampling, tree.depth)

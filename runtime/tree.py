@@ -65,6 +65,8 @@ class Tree:
     anc: [B, N, W] int64 ancestor bitmask (bit j of node i set iff j is i or an ancestor of i).
     root_logits: [B, V_draft] the head's logits for the root's children (what the round's
         acceptance signals compare with the target's), once drafted.
+    root_log_norm: [B] float32 log-sum-exp of root_logits where the draft computed it anyway
+        (the top-k tree's first level), else None.
     """
 
     tokens: torch.Tensor
@@ -72,6 +74,7 @@ class Tree:
     depth: torch.Tensor
     anc: torch.Tensor
     root_logits: torch.Tensor | None = None
+    root_log_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -105,6 +108,15 @@ def first_level(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Te
     """
     scores, tokens = log_softmax_topk(logits, topk)
     return tokens, scores
+
+
+def log_norm_from_top(
+    logits: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor
+) -> torch.Tensor:
+    """[B] float32 log-sum-exp of logits [B, V], recovered from `first_level`'s best child
+    (tokens, scores [B, K]): its logit minus its log-probability, so that no second reduction
+    over the vocabulary runs (equal to a fresh logsumexp up to float32 rounding)."""
+    return logits.gather(-1, tokens[:, :1]).float().squeeze(-1) - scores[:, 0]
 
 
 def expand_level(

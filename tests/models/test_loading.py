@@ -254,7 +254,7 @@ def test_dtype_device_and_round_trip(hf_pair, tmp_path):
     hf, single = hf_pair
     model = load_target(single, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.rotary.inv_freq.dtype == torch.float32
+    assert model.rotary.column_freq.dtype == torch.float32
     original = load_target(single)
     save_target(original, tmp_path)
     assert same_tensors(load_target(tmp_path), original)

@@ -195,3 +195,7 @@ def test_acceptance_signals_compare_draft_and_target_at_the_root():
     got = acceptance_signals(target, other, draft_to_target)[:, 1]
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
     assert bool((got > 0).all())
+    # A draft that brings its logsumexp (Tree.root_log_norm) gets the same signals.
+    norm = other.float().logsumexp(-1)
+    with_norm = acceptance_signals(target, other, draft_to_target, draft_log_norm=norm)
+    torch.testing.assert_close(with_norm, acceptance_signals(target, other, draft_to_target))

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrun.models.attention import expand_ancestor_mask
+from specrun.models.attention import expand_ancestor_mask, pack_ancestor_mask
+from specrun.runtime.draft import frontier_visibility
 from specrun.runtime.tree import (
     Candidates,
     StaticTree,
@@ -15,6 +16,7 @@ from specrun.runtime.tree import (
     ancestor_bitmask,
     expand_level,
     first_level,
+    log_norm_from_top,
     rerank,
 )
 
@@ -115,6 +117,33 @@ def test_bitmask_spans_several_words():
     assert anc.shape == (1, num_nodes, 3)
     mask = expand_ancestor_mask(anc, num_nodes)[0]
     assert torch.equal(mask, torch.ones(num_nodes, num_nodes).tril().bool())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    num_side=st.integers(0, 140),
+    topk=st.integers(1, 10),
+    batch=st.integers(1, 3),
+    seed=st.integers(0, 10_000),
+)
+def test_frontier_visibility_adds_each_node_to_its_packed_ancestors(num_side, topk, batch, seed):
+    """Packed words in, packed words out: the same mask as unpacking the ancestors,
+    appending the identity and packing again, across word boundaries (bit 63 included)."""
+    gen = torch.Generator().manual_seed(seed)
+    ancestors = torch.rand(batch, topk, num_side, generator=gen) < 0.5
+    anc = pack_ancestor_mask(ancestors) if num_side else torch.zeros(batch, topk, 0).long()
+    itself = torch.eye(topk, dtype=torch.bool).expand(batch, -1, -1)
+    want = pack_ancestor_mask(torch.cat([ancestors, itself], dim=-1))
+    assert torch.equal(frontier_visibility(anc, num_side), want)
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 3000])
+def test_log_norm_from_top_is_the_logsumexp(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (4 * torch.randn(3, vocab, generator=gen)).bfloat16()
+    tokens, scores = first_level(logits, min(4, vocab))
+    want = logits.float().logsumexp(-1)
+    torch.testing.assert_close(log_norm_from_top(logits, tokens, scores), want)
 
 
 def test_tree_shape_validation():
