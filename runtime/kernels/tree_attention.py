@@ -8,8 +8,9 @@ building the [M, S + N] mask or repeating K/V for GQA:
   each split taking an equal share of the committed length (not of the cache size);
 - tree part: the N tree keys, filtered per query by the int64 ancestor bitmask `anc`;
 - the parts are merged by log-sum-exp: with one split a program runs one online softmax over
-  prefix then tree; with several, the tree keys get a split of their own and a combine kernel
-  merges the splits' partial outputs by their LSE.
+  prefix then tree; with several, the tree keys get a split of their own, and the last split
+  of each row block to finish (an arrival counter per row block) merges the splits' partial
+  outputs by their LSE in the same launch.
 
 All Hq / Hkv query heads of a KV head are processed together: the "rows" of a tile are
 (group head, tree query) pairs, so every K/V tile is loaded once per KV head. The launch grid

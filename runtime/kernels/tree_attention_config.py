@@ -29,11 +29,10 @@ _LONG_CACHE_PROGRAMS_PER_SM = 2
 # A split of a full cache reads at least this many key blocks, so its partial write stays small
 # next to it.
 _MIN_BLOCKS_PER_SPLIT = 4
-# Prefix splits + the tree split stay <= 64: the combine kernel loads them all at once.
+# Prefix splits + the tree split stay <= 64: a row block's last split merges them in turn.
 _MAX_SPLITS = 63
 # Past this many output rows (slots x query heads x tree queries) the prefix of a short cache
-# is not split: the partials' writes and the combine kernel, one program per row, cost more
-# than the splits gain.
+# is not split: the partials' writes and their merge cost more than the splits gain.
 _MAX_SPLIT_OUTPUT_ROWS = 1024
 _BITS_PER_WORD = 64
 # A dynamic call's rows per KV head are assumed many (a prefill).
@@ -46,9 +45,10 @@ class LaunchConfig:
 
     block_r: rows (group heads x tree queries) per program; block_n: keys per inner step;
     num_splits: how many ranges each slot's committed prefix [0, cache_len) is cut into,
-    in equal shares of whole key blocks (past one, the launch adds a split for the tree keys
-    and a combine kernel); min_split_len: the fewest keys a share holds (a multiple of
-    block_n), so that a prefix shorter than num_splits of them runs on fewer splits.
+    in equal shares of whole key blocks (past one, the tree keys get a split too, and the
+    last split of each row block to finish merges the partials); min_split_len: the fewest
+    keys a share holds (a multiple of block_n), so that a prefix shorter than num_splits of
+    them runs on fewer splits.
     """
 
     block_r: int
@@ -125,8 +125,8 @@ def num_prefix_splits(
     *, num_programs: int, cache_size: int, block_n: int, num_sms: int, programs_per_sm: int
 ) -> int:
     """How many ranges the prefix is split into for `num_programs` programs per split and a
-    cache of `cache_size` keys: none once the programs cover the multiprocessors (a combine
-    pass costs more than it gains), else about `programs_per_sm` programs per multiprocessor
+    cache of `cache_size` keys: none once the programs cover the multiprocessors (merging
+    partials costs more than it gains), else about `programs_per_sm` programs per multiprocessor
     (a short committed prefix uses fewer of them: see the kernel)."""
     num_blocks = max(1, _cdiv(cache_size, block_n))
     wanted = 1

@@ -78,7 +78,7 @@ _UNSPECIALISED_ARGS = ("sa_b", "sa_m", "num_queries", "num_tree", "min_split_len
 @triton.jit(do_not_specialize=_UNSPECIALISED_ARGS)
 def _tree_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, cache_len_ptr, kt_ptr, vt_ptr, anc_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
     sq_b, sq_h, sq_m, sq_d,
     skc_b, skc_h, skc_s, skc_d,
     svc_b, svc_h, svc_s, svc_d,
@@ -95,10 +95,12 @@ def _tree_attention_kernel(
     the output. Otherwise split 0 takes the tree keys and splits 1 .. num_splits - 1 share the
     slot's committed prefix in equal ranges of whole key blocks, cut from its length, not from
     the cache size (`_prefix_share`); each split with keys writes a normalised partial output
-    and its base-2 LSE for the combine kernel. The tree split comes first so that it is
-    scheduled first: it is the longest program where the prefix is short. Where one share
-    holds the whole prefix, split 0 attends to it as well and writes the output, and the
-    other splits and the combine kernel return at once.
+    and its base-2 LSE, then counts itself in `arrivals` [row blocks * B * Hkv] int32; the
+    last of a row block's splits to arrive merges the partials into the output and zeroes its
+    counter again (so one launch does what a split-K attention and its combine kernel do in
+    two). The tree split comes first so that it is scheduled first: it is the longest program
+    where the prefix is short. Where one share holds the whole prefix, split 0 attends to it
+    as well and writes the output, and the other splits return at once.
     PEEL_TAIL runs full prefix blocks unmasked and masks only the last one: it pays where the
     tensor cores bind (many rows) and costs occupancy where bandwidth binds (few rows)."""
     row_block = tl.program_id(0)
@@ -113,7 +115,7 @@ def _tree_attention_kernel(
     if WRITE_PARTIALS:
         share, num_used, direct = _prefix_share(hi, num_splits, min_split_len, BLOCK_N)
         if (split > 0) & (direct | (split > num_used)):
-            return  # no keys for this split: the combine kernel does not read it
+            return  # no keys for this split: no partial to merge
         lo = tl.maximum(split - 1, 0) * share
         hi = tl.where(split == 0, tl.where(direct, hi, 0), tl.minimum(lo + share, hi))
 
@@ -186,37 +188,68 @@ def _tree_attention_kernel(
         tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
         part_ptrs = part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :]
         tl.store(part_ptrs, o, mask=row_ok[:, None])
+        # Every thread's partial before the arrival (a CTA barrier, then the counter's
+        # acq_rel atomic at GPU scope publishes them): the last writer reads them all.
+        tl.debug_barrier()
+        arrivals = arrivals_ptr + slot_head * tl.num_programs(0) + row_block
+        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_used:
+            tl.store(arrivals, 0)
+            o = _merge_partials(part_out_ptr, part_lse_ptr, out_rows * num_splits, num_used,
+                                row_ok, dims)  # fmt: skip
+            out_ptrs = out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :]
+            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=("min_split_len",))
-def _tree_attention_combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, cache_len_ptr,
-    rows_per_slot, cache_size, num_splits, min_split_len,
-    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Merge one output row's partials by their base-2 LSE (all splits in one load): the
-    tree split and the prefix splits that had keys, as `_tree_attention_kernel` shared the
-    prefix out; nothing where its split 0 wrote the output itself."""
-    row = tl.program_id(0).to(tl.int64)
-    cache_len = tl.minimum(tl.load(cache_len_ptr + row // rows_per_slot).to(tl.int32), cache_size)
-    _, num_used, direct = _prefix_share(cache_len, num_splits, min_split_len, BLOCK_N)
-    if direct:
-        return
-    splits = tl.arange(0, SPLITS_P2)
-    split_ok = splits <= num_used
-    dims = tl.arange(0, HEAD_DIM)
-    part_rows = row * num_splits + splits
-    lse = tl.load(part_lse_ptr + part_rows, mask=split_ok, other=float("-inf"))
-    part = tl.load(
-        part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_ok[:, None],
-        other=0.0,
-    )
-    lse_max = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    denom = tl.sum(weight, 0)
-    o = tl.sum(weight[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, o.to(out_ptr.dtype.element_ty))
+@triton.jit
+def _merge_partials(part_out_ptr, part_lse_ptr, first_part, num_used, row_ok, dims):
+    """The output rows [R, D] float32 from their partials by base-2 LSE, one split at a time
+    (online): the tree split and the `num_used` prefix splits that had keys, at partial rows
+    first_part [R] + split. Loads bypass L1 (.cg): other programs wrote these."""
+    m = tl.full(first_part.shape, float("-inf"), tl.float32)
+    denom = tl.zeros(first_part.shape, tl.float32)
+    acc = tl.zeros([first_part.shape[0], dims.shape[0]], tl.float32)
+    for split in range(0, num_used + 1):
+        part_rows = first_part + split
+        lse = tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        part = tl.load(part_out_ptr + part_rows[:, None] * dims.shape[0] + dims[None, :],
+                       mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, lse)
+        # Rows with no keys yet keep m = -inf: shift by 0 so that no -inf - -inf appears.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, weight = tl.exp2(m - shift), tl.exp2(lse - shift)
+        denom = denom * alpha + weight
+        acc = acc * alpha[:, None] + weight[:, None] * part
+        m = m_new
+    return acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+
+
+_MIN_ARRIVAL_COUNTERS = 1 << 14
+_arrival_counters: dict[torch.device, torch.Tensor] = {}
+# Outgrown buffers stay allocated: CUDA graphs captured with them still count in them.
+_outgrown_counters: list[torch.Tensor] = []
+
+
+def arrival_counters(like: torch.Tensor, num_counters: int) -> torch.Tensor:
+    """At least `num_counters` zeroed int32 counters on `like`'s device, for one launch's
+    splits to count their arrivals (every launch leaves them zeroed).
+
+    Eager calls, CUDA-graph captures among them, share one buffer per device (replaced by
+    one of the next power of two when too small, the old one kept alive): each launch ends
+    with its counters back at zero before the next kernel on the stream starts (launches on
+    concurrent streams of one device would need buffers of their own). A traced call (fake
+    or functional tensors: torch.compile of code calling the op) gets a zeroed buffer of its
+    own, which its graph allocates."""
+    if type(like) is not torch.Tensor:
+        return torch.zeros(num_counters, dtype=torch.int32, device=like.device)
+    counters = _arrival_counters.get(like.device)
+    if counters is None or counters.numel() < num_counters:
+        if counters is not None:
+            _outgrown_counters.append(counters)
+        size = max(_MIN_ARRIVAL_COUNTERS, triton.next_power_of_2(num_counters))
+        counters = torch.zeros(size, dtype=torch.int32, device=like.device)
+        _arrival_counters[like.device] = counters
+    return counters
 
 
 def launch_tree_attention(
@@ -253,9 +286,10 @@ def launch_tree_attention(
     group = num_q_heads // num_kv_heads
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(group * num_queries, config.block_r), num_splits, batch * num_kv_heads)
+    arrivals = arrival_counters(q, grid[0] * grid[2]) if num_splits > 1 else out
     wrap(_tree_attention_kernel)[grid](
         q, k_cache, v_cache, cache_len, k_tree, v_tree, anc,
-        out, part_out, part_lse,
+        out, part_out, part_lse, arrivals,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         *k_tree.stride(), *v_tree.stride(), *anc.stride(),
         num_kv_heads, num_queries, k_tree.shape[2], cache_size, num_splits,
@@ -265,12 +299,4 @@ def launch_tree_attention(
         DOT_PRECISION=dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        splits_p2 = triton.next_power_of_2(num_splits)
-        wrap(_tree_attention_combine_kernel)[(num_out_rows,)](
-            part_out, part_lse, out, cache_len,
-            num_q_heads * num_queries, cache_size, num_splits, config.min_split_len,
-            HEAD_DIM=head_dim, SPLITS_P2=splits_p2, BLOCK_N=config.block_n,
-            num_warps=4 if splits_p2 * head_dim <= 8192 else 8,
-        )  # fmt: skip
     return out

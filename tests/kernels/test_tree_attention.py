@@ -237,7 +237,7 @@ def test_launch_config_for_round_shapes(
     batch, num_kv_heads, num_rows, head_dim, cache_size, expected
 ):
     # Small batches over short caches take 16-row tiles (more, shorter programs); the prefix
-    # is split only while the partials stay few (many output rows: no split, no combine).
+    # is split only while the partials stay few (many output rows: no split, no partials).
     config = launch_config(
         batch=batch, num_kv_heads=num_kv_heads, num_rows=num_rows, cache_size=cache_size,
         head_dim=head_dim, num_sms=132,
@@ -286,8 +286,12 @@ INTERPRET_CASES = (
 
 
 def _interpret_main() -> int:
-    """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference."""
-    from specrun.runtime.kernels.tree_attention_triton import launch_tree_attention
+    """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference;
+    the splits' arrival counters (one buffer for every launch) zeroed again after each."""
+    from specrun.runtime.kernels.tree_attention_triton import (
+        arrival_counters,
+        launch_tree_attention,
+    )
 
     failures = 0
     for i, (case, lens, block_r, block_n, num_splits, *min_split_len) in enumerate(INTERPRET_CASES):
@@ -296,9 +300,11 @@ def _interpret_main() -> int:
         config = LaunchConfig(block_r, block_n, num_splits, 4, 1, *min_split_len)
         out = launch_tree_attention(**inputs, config=config)
         err = relative_error(out, _model_ref(inputs))
-        ok = err < 1e-5
+        zeroed = not arrival_counters(out, 1).any()
+        ok = err < 1e-5 and zeroed
         failures += not ok
-        print(f"case {i}: {case} splits={num_splits} rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
+        print(f"case {i}: {case} splits={num_splits} rel_err={err:.2e} counters zeroed={zeroed}"
+              f" {'ok' if ok else 'FAIL'}")  # fmt: skip
     return 1 if failures else 0
 
 
