@@ -19,3 +19,24 @@ def assert_script_passes_under_interpreter(script: str) -> None:
         [sys.executable, script], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, object]) -> str:
+    """Compile a `@triton.jit` kernel to PTX for sm_90 on this machine (no GPU needed) and
+    return the PTX: what the interpreter cannot check (names defined on every path of a
+    branch Triton compiles, types at each pointer). signature: each runtime argument's Triton
+    type ("*bf16", "i32", ...); constexprs: the constexpr arguments' values."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    full_signature = {name: signature.get(name, "constexpr") for name in names}
+    source = ASTSource(
+        kernel,
+        signature=full_signature,
+        constexprs={(names.index(name),): value for name, value in constexprs.items()},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]

@@ -112,6 +112,7 @@ def _tree_attention_kernel(
     lo = 0
     hi = tl.minimum(tl.load(cache_len_ptr + b).to(tl.int32), cache_size)
     direct = True  # this program writes the output (no partials)
+    num_used = 0  # prefix splits with keys
     if WRITE_PARTIALS:
         share, num_used, direct = _prefix_share(hi, num_splits, min_split_len, BLOCK_N)
         if (split > 0) & (direct | (split > num_used)):
@@ -286,7 +287,9 @@ def launch_tree_attention(
     group = num_q_heads // num_kv_heads
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(group * num_queries, config.block_r), num_splits, batch * num_kv_heads)
-    arrivals = arrival_counters(q, grid[0] * grid[2]) if num_splits > 1 else out
+    # Passed whatever the splits: the kernel's merge branch is compiled (dead) in single-split
+    # variants too, and needs an int32 pointer there.
+    arrivals = arrival_counters(q, grid[0] * grid[2])
     wrap(_tree_attention_kernel)[grid](
         q, k_cache, v_cache, cache_len, k_tree, v_tree, anc,
         out, part_out, part_lse, arrivals,

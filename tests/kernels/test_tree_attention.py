@@ -8,6 +8,7 @@ torch.compile, and replayed from a CUDA graph with changed cache lengths.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-from triton_interpreter import assert_script_passes_under_interpreter
+from triton_interpreter import assert_script_passes_under_interpreter, compile_for_hopper
 
 from specrun.models.attention import host_attention_mask, pack_ancestor_mask
 from specrun.models.attention import tree_attention as model_tree_attention
@@ -267,6 +268,32 @@ def test_compile_fullgraph_cpu():
 
 def test_triton_kernel_under_interpreter():
     assert_script_passes_under_interpreter(__file__)
+
+
+@pytest.mark.parametrize("write_partials", [False, True])
+@pytest.mark.parametrize("peel_tail", [False, True])
+def test_triton_kernel_compiles_for_hopper(write_partials, peel_tail):
+    """Every variant the launcher picks compiles for sm_90 (the interpreter runs only the
+    branches taken, so it misses a name or type error in another)."""
+    from specrun.runtime.kernels.tree_attention_triton import _tree_attention_kernel
+
+    pointers = {
+        "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "cache_len_ptr": "*i64",
+        "kt_ptr": "*bf16", "vt_ptr": "*bf16", "anc_ptr": "*i64", "out_ptr": "*bf16",
+        "part_out_ptr": "*fp32" if write_partials else "*bf16",
+        "part_lse_ptr": "*fp32" if write_partials else "*bf16", "arrivals_ptr": "*i32",
+    }  # fmt: skip
+    names = inspect.signature(_tree_attention_kernel.fn).parameters
+    signature = {name: "i32" for name in names if name.islower() and name not in pointers}
+    signature.update(pointers, qk_scale="fp32")
+    ptx = compile_for_hopper(
+        _tree_attention_kernel,
+        signature,
+        dict(GROUP=4, HEAD_DIM=64, BLOCK_R=16, BLOCK_N=32, WRITE_PARTIALS=write_partials,
+             PEEL_TAIL=peel_tail, DOT_PRECISION="tf32"),
+    )  # fmt: skip
+    # Only a launch that writes partials counts its arrivals.
+    assert ("atom.global" in ptx) == write_partials
 
 
 INTERPRET_CASES = (
