@@ -16,6 +16,8 @@ from ._triton import wrap
 from .tree_attention_config import LaunchConfig
 
 _LOG2E = 1.4426950408889634
+# Partial outputs (x rows) one merge load reads: splits * head_dim.
+_MERGE_FLOATS = 512
 
 
 @triton.jit
@@ -88,6 +90,7 @@ def _tree_attention_kernel(
     num_kv_heads, num_queries, num_tree, cache_size, num_splits, min_split_len, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr, PEEL_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, split, slot * kv head).
 
@@ -196,31 +199,36 @@ def _tree_attention_kernel(
         if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_used:
             tl.store(arrivals, 0)
             o = _merge_partials(part_out_ptr, part_lse_ptr, out_rows * num_splits, num_used,
-                                row_ok, dims)  # fmt: skip
+                                row_ok, dims, MERGE_SPLITS)  # fmt: skip
             out_ptrs = out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :]
             tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _merge_partials(part_out_ptr, part_lse_ptr, first_part, num_used, row_ok, dims):
-    """The output rows [R, D] float32 from their partials by base-2 LSE, one split at a time
-    (online): the tree split and the `num_used` prefix splits that had keys, at partial rows
-    first_part [R] + split. Loads bypass L1 (.cg): other programs wrote these."""
+def _merge_partials(
+    part_out_ptr, part_lse_ptr, first_part, num_used, row_ok, dims, SPLITS: tl.constexpr
+):  # fmt: skip
+    """The output rows [R, D] float32 from their partials by base-2 LSE: the tree split and
+    the `num_used` prefix splits that had keys, at partial rows first_part [R] + split, SPLITS
+    splits a load (online across loads). Loads bypass L1 (.cg): other programs wrote these."""
     m = tl.full(first_part.shape, float("-inf"), tl.float32)
     denom = tl.zeros(first_part.shape, tl.float32)
     acc = tl.zeros([first_part.shape[0], dims.shape[0]], tl.float32)
-    for split in range(0, num_used + 1):
-        part_rows = first_part + split
-        lse = tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf"),
+    for start in range(0, num_used + 1, SPLITS):
+        split = start + tl.arange(0, SPLITS)
+        ok = row_ok[:, None] & (split <= num_used)[None, :]
+        part_rows = first_part[:, None] + split[None, :]
+        lse = tl.load(part_lse_ptr + part_rows, mask=ok, other=float("-inf"),
                       cache_modifier=".cg")  # fmt: skip
-        part = tl.load(part_out_ptr + part_rows[:, None] * dims.shape[0] + dims[None, :],
-                       mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m, lse)
+        part = tl.load(part_out_ptr + part_rows[:, :, None] * dims.shape[0] + dims[None, None, :],
+                       mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, tl.max(lse, 1))
         # Rows with no keys yet keep m = -inf: shift by 0 so that no -inf - -inf appears.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, weight = tl.exp2(m - shift), tl.exp2(lse - shift)
-        denom = denom * alpha + weight
-        acc = acc * alpha[:, None] + weight[:, None] * part
+        alpha = tl.exp2(m - shift)
+        weight = tl.exp2(lse - shift[:, None])
+        denom = denom * alpha + tl.sum(weight, 1)
+        acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * part, 1)
         m = m_new
     return acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
 
@@ -299,7 +307,7 @@ def launch_tree_attention(
         config.min_split_len, scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_R=config.block_r, BLOCK_N=config.block_n,
         WRITE_PARTIALS=num_splits > 1, PEEL_TAIL=config.block_r >= 64,
-        DOT_PRECISION=dot_precision,
+        DOT_PRECISION=dot_precision, MERGE_SPLITS=max(1, _MERGE_FLOATS // head_dim),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -290,7 +290,7 @@ def test_triton_kernel_compiles_for_hopper(write_partials, peel_tail):
         _tree_attention_kernel,
         signature,
         dict(GROUP=4, HEAD_DIM=64, BLOCK_R=16, BLOCK_N=32, WRITE_PARTIALS=write_partials,
-             PEEL_TAIL=peel_tail, DOT_PRECISION="tf32"),
+             PEEL_TAIL=peel_tail, DOT_PRECISION="tf32", MERGE_SPLITS=8),
     )  # fmt: skip
     # Only a launch that writes partials counts its arrivals.
     assert ("atom.global" in ptx) == write_partials
@@ -309,6 +309,8 @@ INTERPRET_CASES = (
     # A share of at least 48 keys: 90 keys on two splits, 17 and 1 on one, the rest unread.
     (Case(3, 4, 2, 3, 7, 90, 16), [90, 17, 1], 16, 16, 7, 48),
     (Case(2, 8, 2, 5, 5, 200, 16), [0, 200], 16, 32, 4, 64),
+    # Eleven partials, merged eight at a time (head dim 64), and a slot with two.
+    (Case(2, 2, 1, 1, 1, 600, 64), [600, 90], 16, 16, 10),
 )
 
 
