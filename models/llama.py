@@ -66,9 +66,8 @@ class RotaryEmbedding(nn.Module):
         """positions: [B, T] int64. Returns cos and the signed sin (see apply_rope):
         [B, 1, T, head_dim] in `dtype`."""
         # One frequency per column, not two concatenated halves: a rotation inlined into a
-        # copy computes one sin and one cos an element, and stays small enough for Inductor
-        # to inline it whole into the draft's side-buffer copies (the same values: the sign
-        # multiplies exactly).
+        # copy computes one sin and one cos an element instead of two of each and a select
+        # (the same values: the sign multiplies exactly).
         freqs = (positions[..., None].float() * self.column_freq)[:, None]
         return freqs.cos().to(dtype), (freqs.sin() * self.sin_sign).to(dtype)
 
