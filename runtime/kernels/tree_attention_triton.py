@@ -234,7 +234,9 @@ def _merge_partials(
 
 
 _MIN_ARRIVAL_COUNTERS = 1 << 14
-_arrival_counters: dict[torch.device, torch.Tensor] = {}
+# Per (device, stream): kernels of one stream run one after another, so each finds its
+# counters zeroed by the one before; streams that may run concurrently count apart.
+_arrival_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 # Outgrown buffers stay allocated: CUDA graphs captured with them still count in them.
 _outgrown_counters: list[torch.Tensor] = []
 
@@ -243,21 +245,25 @@ def arrival_counters(like: torch.Tensor, num_counters: int) -> torch.Tensor:
     """At least `num_counters` zeroed int32 counters on `like`'s device, for one launch's
     splits to count their arrivals (every launch leaves them zeroed).
 
-    Eager calls, CUDA-graph captures among them, share one buffer per device (replaced by
-    one of the next power of two when too small, the old one kept alive): each launch ends
-    with its counters back at zero before the next kernel on the stream starts (launches on
-    concurrent streams of one device would need buffers of their own). A traced call (fake
-    or functional tensors: torch.compile of code calling the op) gets a zeroed buffer of its
-    own, which its graph allocates."""
+    Eager calls share one buffer per device and stream, and so does every CUDA graph captured
+    on a stream (the graph keeps the buffer's address: graphs captured on one stream must be
+    replayed one at a time, as a runner does; another runner captures on its own stream).
+    A buffer too small is replaced by one of the next power of two, the old one kept alive.
+    A traced call (fake or functional tensors: torch.compile of code calling the op) gets a
+    zeroed buffer of its own, which its graph allocates."""
     if type(like) is not torch.Tensor:
         return torch.zeros(num_counters, dtype=torch.int32, device=like.device)
-    counters = _arrival_counters.get(like.device)
+    stream = 0
+    if like.device.type == "cuda":
+        stream = torch.cuda.current_stream(like.device).stream_id
+    key = (like.device, stream)
+    counters = _arrival_counters.get(key)
     if counters is None or counters.numel() < num_counters:
         if counters is not None:
             _outgrown_counters.append(counters)
         size = max(_MIN_ARRIVAL_COUNTERS, triton.next_power_of_2(num_counters))
         counters = torch.zeros(size, dtype=torch.int32, device=like.device)
-        _arrival_counters[like.device] = counters
+        _arrival_counters[key] = counters
     return counters
 
 
