@@ -1,4 +1,5 @@
-"""Running a test module's Triton kernels on the CPU under TRITON_INTERPRET=1."""
+"""Checking a test module's Triton kernels without a GPU: run under TRITON_INTERPRET=1, and
+compiled for sm_90."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, 
     type ("*bf16", "i32", ...); constexprs: the constexpr arguments' values."""
     import inspect
 
+    import pytest
+
+    pytest.importorskip("triton")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

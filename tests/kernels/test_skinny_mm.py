@@ -2,7 +2,8 @@
 
 CPU tier: the op on hypothesis-drawn shapes and strides, its argument checks, opcheck, and the
 Triton kernel under TRITON_INTERPRET=1 (in a subprocess; float16, which the interpreter
-multiplies exactly, unlike bfloat16) with both of its paths and ragged edges. GPU tier
+multiplies exactly, unlike bfloat16) with both of its paths and ragged edges, and compiled
+for sm_90. GPU tier
 (`-m gpu`): every tiling the op picks, on odd shapes and Llama-3.1-8B's, under torch.compile
 and in a CUDA graph.
 """
@@ -15,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_interpreter import assert_script_passes_under_interpreter
+from triton_interpreter import assert_script_passes_under_interpreter, compile_for_hopper
 
 from specrun.runtime.kernels.skinny_mm import MAX_ROWS, skinny_mm, skinny_mm_ref
 
@@ -81,6 +82,19 @@ def test_operands_past_32_bit_offsets_are_refused():
 def test_opcheck():
     x, w = make_operands(3, 20, 50, dtype=torch.bfloat16, seed=0)
     torch.library.opcheck(torch.ops.rt.skinny_mm.default, (x, w))
+
+
+@pytest.mark.parametrize("even_k", [False, True])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_triton_kernel_compiles_for_hopper(block_m, even_k):
+    """Both K-loop variants compile for sm_90 at the smallest and largest row tiles."""
+    from specrun.runtime.kernels.skinny_mm_triton import _skinny_mm_kernel
+
+    scalars = ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_om")
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
+    signature.update(dict.fromkeys(scalars, "i32"))
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, EVEN_K=even_k)
+    assert "mma" in compile_for_hopper(_skinny_mm_kernel, signature, constexprs)
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 16, 17, 33, MAX_ROWS])

@@ -3,8 +3,8 @@ rt::log_softmax_topk against log_softmax followed by that sort.
 
 CPU tier: the ops on hypothesis-drawn shapes with ties and -inf, their argument checks,
 opcheck, and the Triton kernels under TRITON_INTERPRET=1 (in a subprocess, so the variable never
-reaches the triton imported here). GPU tier (`-m gpu`): the kernels on odd shapes, under
-torch.compile and in a CUDA graph.
+reaches the triton imported here) and compiled for sm_90. GPU tier (`-m gpu`): the kernels on
+odd shapes, under torch.compile and in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_interpreter import assert_script_passes_under_interpreter
+from triton_interpreter import assert_script_passes_under_interpreter, compile_for_hopper
 
 from specrun.runtime.kernels.topk import (
     MAX_CHUNK,
@@ -131,6 +131,23 @@ def test_opcheck(op):
 
 def test_triton_kernel_under_interpreter():
     assert_script_passes_under_interpreter(__file__)
+
+
+@pytest.mark.parametrize(("from_keys", "to_keys"), [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("log_softmax", [False, True])
+def test_triton_kernel_compiles_for_hopper(from_keys, to_keys, log_softmax):
+    """The stages the launcher runs (one stage; the first of two; the second) compile for
+    sm_90, with and without the log-softmax (the interpreter skips the branches not taken)."""
+    from specrun.runtime.kernels.topk_triton import _topk_kernel
+
+    signature = {
+        "x_ptr": "*bf16", "keys_ptr": "*i64", "values_ptr": "*fp32" if log_softmax else "*bf16",
+        "columns_ptr": "*i64", "stats_ptr": "*fp32", "num_cols": "i32", "stride_x": "i32",
+        "stride_out": "i32",
+    }  # fmt: skip
+    constexprs = dict(K=8, BLOCK=2048, FROM_KEYS=from_keys, TO_KEYS=to_keys,
+                      LOG_SOFTMAX=log_softmax, CHUNKS=8)  # fmt: skip
+    assert ".entry _topk_kernel" in compile_for_hopper(_topk_kernel, signature, constexprs)
 
 
 INTERPRET_CASES = (

@@ -2,8 +2,8 @@
 
 CPU tier: the op's CPU implementation on hypothesis-drawn shapes, opcheck, torch.compile, and the
 Triton kernels under TRITON_INTERPRET=1 (in a subprocess, so the variable never reaches the
-triton imported here). GPU tier (`-m gpu`): the Triton kernels on odd shapes, under
-torch.compile, and replayed from a CUDA graph with changed cache lengths.
+triton imported here) and compiled for sm_90. GPU tier (`-m gpu`): the Triton kernels on odd
+shapes, under torch.compile, and replayed from a CUDA graph with changed cache lengths.
 """
 
 from __future__ import annotations
