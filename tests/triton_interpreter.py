@@ -3,10 +3,13 @@ compiled for sm_90."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def assert_script_passes_under_interpreter(script: str) -> None:
@@ -27,10 +30,6 @@ def compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, 
     return the PTX: what the interpreter cannot check (names defined on every path of a
     branch Triton compiles, types at each pointer). signature: each runtime argument's Triton
     type ("*bf16", "i32", ...); constexprs: the constexpr arguments' values."""
-    import inspect
-
-    import pytest
-
     pytest.importorskip("triton")
     import triton
     from triton.backends.compiler import GPUTarget
