@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.attention import pack_ancestor_mask
-from .kernels.topk import log_softmax_topk
+from .kernels.topk import MAX_K, log_softmax_topk, topk
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,12 @@ def rerank(root: torch.Tensor, cands: Candidates, shape: TreeShape) -> Tree:
 
 def kept_candidates(scores: torch.Tensor, shape: TreeShape) -> torch.Tensor:
     """[B, N-1] int64: the candidates (of scores [B, C]) the tree keeps, in candidate order."""
-    return stable_topk(scores, shape.num_nodes - 1).sort(dim=-1).values
+    num_kept = shape.num_nodes - 1
+    # rt::topk orders as the stable sort does (ties to the lower index) in one launch, where
+    # a compiled sort of every candidate is a bitonic network over them all.
+    if 1 <= num_kept <= MAX_K and scores.dtype == torch.float32:
+        return topk(scores, num_kept)[1].sort(dim=-1).values
+    return stable_topk(scores, num_kept).sort(dim=-1).values
 
 
 def layout_tree(

@@ -12,7 +12,8 @@ fake impl, so that FX passes can insert them into CPU graphs and those graphs ru
 
 - with Triton, `rt_op` is `torch.library.triton_op`, as the kernel modules always used:
   torch.compile decomposes the op into its body, so Inductor sees the Triton kernels (or, on
-  the CPU, the reference's ATen ops) rather than an opaque call;
+  the CPU, the reference's ATen ops) rather than an opaque call; unless the op asks to stay
+  opaque (`opaque_with`): then compiled graphs call it;
 - without it, a plain `torch.library.custom_op` with the same body: there is no kernel to
   inline, compiled graphs call the op, and every device runs the reference.
 """
@@ -39,15 +40,23 @@ def uses_triton(device: torch.device) -> bool:
     return HAS_TRITON and device.type == "cuda"
 
 
-def rt_op(name: str) -> Callable[[Callable[..., Any]], CustomOpDef]:
+def rt_op(
+    name: str, *, opaque_with: Callable[..., Any] | None = None
+) -> Callable[[Callable[..., Any]], CustomOpDef]:
     """Decorator defining the functional op `name` ("rt::...") from its body, which must
-    also serve as its fake impl (take the reference unless `uses_triton`)."""
-    if HAS_TRITON:
+    also serve as its fake impl (take the reference unless `uses_triton`).
+
+    opaque_with: a reference that computes the op on any tensors: the op is then a plain
+    custom op even with Triton, with that as its fake impl, so compiled graphs call it (its
+    launcher runs when the graph runs) rather than inlining its kernels. For ops whose
+    launcher hands the kernels a buffer that lives across launches (arrivals.py), which a
+    traced launcher could only allocate anew in every call."""
+    if HAS_TRITON and opaque_with is None:
         return triton_op(name, mutates_args=())
 
     def define(body: Callable[..., Any]) -> CustomOpDef:
         op = custom_op(name, body, mutates_args=())
-        op.register_fake(body)
+        op.register_fake(opaque_with or body)
         return op
 
     return define

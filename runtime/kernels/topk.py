@@ -8,9 +8,11 @@ in registers as int64 keys, (value, column) packed so that one max-reduction pic
 value and, among equal values, the lowest column; it takes the maximum k times, removing
 each winner:
 
-- stage 1: grid (rows, chunks); each chunk of at most `MAX_CHUNK` columns gives its own top k,
-  best first (as keys when a second stage follows);
-- stage 2 (only with more than one chunk): the same kernel over each row's chunks * k keys.
+- grid (rows, chunks); each chunk of at most `MAX_CHUNK` columns gives its own top k, best
+  first: the row's answer where it has one chunk;
+- with more chunks, each stores its k as keys, and the row's last chunk to finish (counted
+  in arrival counters, arrivals.py) selects the row's k from its chunks * k keys, in the same
+  launch.
 
 Order is defined exactly, unlike ATen's: values descending, equal values by ascending column,
 so the kernel and `topk_ref` (a stable descending sort, cut at k) agree bit for bit. -inf
@@ -18,9 +20,9 @@ entries are ordinary values; rows must not hold NaN (log-probabilities never do)
 
 `rt::log_softmax_topk` is the draft's "top k children and their log-probabilities": the same
 selection on the logits (log-softmax keeps each row's order), reported as float32 logits
-minus the row's log-sum-exp. Each stage-1 program also reduces its chunk to (max, sum of
-exp(x - max)); the last stage combines a row's chunks and subtracts. One launch (two for rows
-over `MAX_CHUNK`) replaces a log-softmax kernel, its float32 [rows, V] round trip and the topk.
+minus the row's log-sum-exp. Each program also reduces its chunk to (max, sum of exp(x -
+max)); the row's last chunk combines them and subtracts. One launch replaces a log-softmax
+kernel, its float32 [rows, V] round trip and the topk.
 
 The kernels live in topk_triton.py, imported at the first launch, so this module loads without
 Triton, where the ops run their references on every device (see _triton.py).
@@ -65,11 +67,23 @@ def _launch_on_rows(
     return values.view(shape), columns.view(shape)
 
 
-# Each op body is also its fake impl and the decomposition torch.compile inlines: non-CUDA
-# tensors (CPU, meta), and any tensors without Triton, take the reference.
+def _topk_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    check_topk_inputs(x, k)
+    return topk_ref(x, k)
 
 
-@rt_op("rt::topk")
+def _log_softmax_topk_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    check_topk_inputs(x, k, op="rt::log_softmax_topk")
+    return log_softmax_topk_ref(x, k)
+
+
+# The ops stay opaque in compiled graphs (their references as fake impls): a row's chunks are
+# merged by the last chunk to finish, counted in arrival counters that live across launches
+# (arrivals.py), which the launcher must find at run time. Non-CUDA tensors, and any tensors
+# without Triton, take the reference.
+
+
+@rt_op("rt::topk", opaque_with=_topk_fake)
 def _topk_op(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     check_topk_inputs(x, k)
     if not uses_triton(x.device):
@@ -77,7 +91,7 @@ def _topk_op(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch_on_rows(x, k, log_softmax=False)
 
 
-@rt_op("rt::log_softmax_topk")
+@rt_op("rt::log_softmax_topk", opaque_with=_log_softmax_topk_fake)
 def _log_softmax_topk_op(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     check_topk_inputs(x, k, op="rt::log_softmax_topk")
     # float64 rows (reference models in tests) would lose order in the kernel's float32 keys.

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._triton import wrap
+from .arrivals import arrival_counters
 from .topk import MAX_CHUNK
 
 # Below every entry's key: padding, and entries already taken.
@@ -50,60 +51,84 @@ def _chunk_stats(x, valid):
 
 @triton.jit
 def _row_log_sum_exp(stats_ptr, row, num_chunks, CHUNKS: tl.constexpr):
-    """Combine a row's per-chunk (max, sum) pairs into its log-sum-exp."""
+    """Combine a row's per-chunk (max, sum) pairs (other programs wrote them: read past L1)
+    into its log-sum-exp."""
     chunk = tl.arange(0, CHUNKS)
     present = chunk < num_chunks
     base = stats_ptr + (row * num_chunks + chunk) * 2
-    chunk_max = tl.load(base, mask=present, other=float("-inf"))
-    chunk_sum = tl.load(base + 1, mask=present, other=0.0)
+    chunk_max = tl.load(base, mask=present, other=float("-inf"), cache_modifier=".cg")
+    chunk_sum = tl.load(base + 1, mask=present, other=0.0, cache_modifier=".cg")
     row_max = tl.max(chunk_max, 0)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     return shift + tl.log(tl.sum(chunk_sum * tl.exp(chunk_max - shift), 0))
 
 
 @triton.jit
-def _topk_kernel(
-    x_ptr, keys_ptr, values_ptr, columns_ptr, stats_ptr,
-    num_cols, stride_x, stride_out,
-    K: tl.constexpr, BLOCK: tl.constexpr, FROM_KEYS: tl.constexpr, TO_KEYS: tl.constexpr,
-    LOG_SOFTMAX: tl.constexpr, CHUNKS: tl.constexpr,
-):  # fmt: skip
-    """Program (row, chunk): the top K entries of columns [chunk * BLOCK, (chunk + 1) * BLOCK)
-    of a row, best first, at [row, chunk * K + i] of the outputs: as keys (TO_KEYS, stage 1 of
-    two) or as values and columns. FROM_KEYS (stage 2) reads keys instead of x. LOG_SOFTMAX:
-    stage 1 also writes its chunk's (max, sum) to stats [rows, chunks, 2] (two stages) or
-    subtracts its log-sum-exp (one stage); stage 2 combines the row's chunks into its
-    log-sum-exp and subtracts that. CHUNKS: the number of chunks rounded up to a power of 2."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-    valid = offsets < num_cols
-    offset = 0.0
-    if FROM_KEYS:
-        keys = tl.load(keys_ptr + row * num_cols + offsets, mask=valid, other=_NO_KEY)
-        if LOG_SOFTMAX:
-            offset = _row_log_sum_exp(stats_ptr, row, num_cols // K, CHUNKS)
-    else:
-        x = tl.load(x_ptr + row * stride_x + offsets, mask=valid, other=0.0)
-        keys = tl.where(valid, _sort_key(x, offsets.to(tl.int64)), _NO_KEY)
-        if LOG_SOFTMAX:
-            chunk_max, chunk_sum = _chunk_stats(x, valid)
-            if TO_KEYS:
-                stats = stats_ptr + (row * tl.num_programs(1) + chunk) * 2
-                tl.store(stats, chunk_max)
-                tl.store(stats + 1, chunk_sum)
-            else:
-                shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
-                offset = shift + tl.log(chunk_sum)
-    out = row * stride_out + chunk * K
+def _store_best(keys, values_ptr, columns_ptr, keys_out_ptr, offset, K: tl.constexpr,
+                AS_KEYS: tl.constexpr):  # fmt: skip
+    """The K largest of `keys`, best first: as keys at keys_out_ptr + i (AS_KEYS), else as
+    values minus `offset` and columns at values_ptr + i and columns_ptr + i."""
     for i in tl.static_range(K):
         best = tl.max(keys, 0)
         # Keys are distinct (their columns are), so this removes exactly the winner.
         keys = tl.where(keys == best, _NO_KEY, keys)
-        if TO_KEYS:
-            tl.store(keys_ptr + out + i, best)
+        if AS_KEYS:
+            tl.store(keys_out_ptr + i, best)
         else:
-            _store_key(best, values_ptr + out + i, columns_ptr + out + i, offset)
+            _store_key(best, values_ptr + i, columns_ptr + i, offset)
+
+
+@triton.jit
+def _topk_kernel(
+    x_ptr, keys_ptr, values_ptr, columns_ptr, stats_ptr, arrivals_ptr,
+    num_cols, stride_x, stride_out,
+    K: tl.constexpr, BLOCK: tl.constexpr, TWO_STAGES: tl.constexpr,
+    LOG_SOFTMAX: tl.constexpr, CHUNKS: tl.constexpr, MERGE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (row, chunk): the top K entries of columns [chunk * BLOCK, (chunk + 1) * BLOCK)
+    of a row, best first. One chunk a row: stored as values (minus the chunk's log-sum-exp
+    with LOG_SOFTMAX) and columns at [row, i]. TWO_STAGES: stored as keys at [row, chunk * K
+    + i] of keys [rows, chunks * K] (and, with LOG_SOFTMAX, the chunk's (max, sum) at stats
+    [rows, chunks, 2]); then the row's last chunk to finish (counted in arrivals [rows],
+    arrivals.py) takes the top K of the row's chunks * K keys (MERGE_BLOCK: that many rounded
+    up to a power of 2) and stores them as values and columns. CHUNKS: the number of chunks
+    rounded up to a power of 2."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
+    valid = offsets < num_cols
+    x = tl.load(x_ptr + row * stride_x + offsets, mask=valid, other=0.0)
+    keys = tl.where(valid, _sort_key(x, offsets.to(tl.int64)), _NO_KEY)
+    offset = 0.0
+    if LOG_SOFTMAX:
+        chunk_max, chunk_sum = _chunk_stats(x, valid)
+        if TWO_STAGES:
+            stats = stats_ptr + (row * num_chunks + chunk) * 2
+            tl.store(stats, chunk_max)
+            tl.store(stats + 1, chunk_sum)
+        else:
+            shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
+            offset = shift + tl.log(chunk_sum)
+    out = row * stride_out
+    if TWO_STAGES:
+        row_keys = keys_ptr + row * num_chunks * K
+        _store_best(keys, values_ptr, columns_ptr, row_keys + chunk * K, offset, K, True)
+        # Every thread's stores before the arrival; the last chunk reads them all.
+        tl.debug_barrier()
+        arrivals = arrivals_ptr + row
+        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:
+            tl.store(arrivals, 0)
+            merged = tl.arange(0, MERGE_BLOCK)
+            row_best = tl.load(row_keys + merged, mask=merged < num_chunks * K, other=_NO_KEY,
+                               cache_modifier=".cg")  # fmt: skip
+            row_offset = 0.0
+            if LOG_SOFTMAX:
+                row_offset = _row_log_sum_exp(stats_ptr, row, num_chunks, CHUNKS)
+            _store_best(row_best, values_ptr + out, columns_ptr + out, row_keys, row_offset, K,
+                        False)  # fmt: skip
+    else:
+        _store_best(keys, values_ptr + out, columns_ptr + out, keys_ptr, offset, K, False)
 
 
 def _num_warps(block: int) -> int:
@@ -136,16 +161,11 @@ def launch_topk(
         else values
     )
     chunks = triton.next_power_of_2(num_chunks)
+    # One launch: the last chunk of a row to finish merges the row's chunks (see the kernel).
+    arrivals = arrival_counters(x, num_rows) if two_stages else columns
     wrap(_topk_kernel)[(num_rows, num_chunks)](
-        x, keys, values, columns, stats, num_cols, x.stride(0), keys.shape[-1],
-        K=k, BLOCK=block, FROM_KEYS=False, TO_KEYS=two_stages, LOG_SOFTMAX=log_softmax,
-        CHUNKS=chunks, num_warps=_num_warps(block),
+        x, keys, values, columns, stats, arrivals, num_cols, x.stride(0), k,
+        K=k, BLOCK=block, TWO_STAGES=two_stages, LOG_SOFTMAX=log_softmax, CHUNKS=chunks,
+        MERGE_BLOCK=triton.next_power_of_2(num_chunks * k), num_warps=_num_warps(block),
     )  # fmt: skip
-    if two_stages:
-        block = triton.next_power_of_2(num_chunks * k)
-        wrap(_topk_kernel)[(num_rows, 1)](
-            x, keys, values, columns, stats, num_chunks * k, x.stride(0), k,
-            K=k, BLOCK=block, FROM_KEYS=True, TO_KEYS=False, LOG_SOFTMAX=log_softmax,
-            CHUNKS=chunks, num_warps=_num_warps(block),
-        )  # fmt: skip
     return values, columns

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._triton import wrap
+from .arrivals import arrival_counters
 from .tree_attention_config import LaunchConfig
 
 _LOG2E = 1.4426950408889634
@@ -100,8 +101,8 @@ def _tree_attention_kernel(
     the cache size (`_prefix_share`); each split with keys writes a normalised partial output
     and its base-2 LSE, then counts itself in `arrivals` [row blocks * B * Hkv] int32; the
     last of a row block's splits to arrive merges the partials into the output and zeroes its
-    counter again (so one launch does what a split-K attention and its combine kernel do in
-    two). The tree split comes first so that it is scheduled first: it is the longest program
+    counter again (arrivals.py: one launch where split-K attention takes a combine kernel).
+    The tree split comes first so that it is scheduled first: it is the longest program
     where the prefix is short. Where one share holds the whole prefix, split 0 attends to it
     as well and writes the output, and the other splits return at once.
     PEEL_TAIL runs full prefix blocks unmasked and masks only the last one: it pays where the
@@ -231,40 +232,6 @@ def _merge_partials(
         acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * part, 1)
         m = m_new
     return acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
-
-
-_MIN_ARRIVAL_COUNTERS = 1 << 14
-# Per (device, stream): kernels of one stream run one after another, so each finds its
-# counters zeroed by the one before; streams that may run concurrently count apart.
-_arrival_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-# Outgrown buffers stay allocated: CUDA graphs captured with them still count in them.
-_outgrown_counters: list[torch.Tensor] = []
-
-
-def arrival_counters(like: torch.Tensor, num_counters: int) -> torch.Tensor:
-    """At least `num_counters` zeroed int32 counters on `like`'s device, for one launch's
-    splits to count their arrivals (every launch leaves them zeroed).
-
-    Eager calls share one buffer per device and stream, and so does every CUDA graph captured
-    on a stream (the graph keeps the buffer's address: graphs captured on one stream must be
-    replayed one at a time, as a runner does; another runner captures on its own stream).
-    A buffer too small is replaced by one of the next power of two, the old one kept alive.
-    A traced call (fake or functional tensors: torch.compile of code calling the op) gets a
-    zeroed buffer of its own, which its graph allocates."""
-    if type(like) is not torch.Tensor:
-        return torch.zeros(num_counters, dtype=torch.int32, device=like.device)
-    stream = 0
-    if like.device.type == "cuda":
-        stream = torch.cuda.current_stream(like.device).stream_id
-    key = (like.device, stream)
-    counters = _arrival_counters.get(key)
-    if counters is None or counters.numel() < num_counters:
-        if counters is not None:
-            _outgrown_counters.append(counters)
-        size = max(_MIN_ARRIVAL_COUNTERS, triton.next_power_of_2(num_counters))
-        counters = torch.zeros(size, dtype=torch.int32, device=like.device)
-        _arrival_counters[key] = counters
-    return counters
 
 
 def launch_tree_attention(

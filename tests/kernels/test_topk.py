@@ -133,21 +133,22 @@ def test_triton_kernel_under_interpreter():
     assert_script_passes_under_interpreter(__file__)
 
 
-@pytest.mark.parametrize(("from_keys", "to_keys"), [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("two_stages", [False, True])
 @pytest.mark.parametrize("log_softmax", [False, True])
-def test_triton_kernel_compiles_for_hopper(from_keys, to_keys, log_softmax):
-    """The stages the launcher runs (one stage; the first of two; the second) compile for
+def test_triton_kernel_compiles_for_hopper(two_stages, log_softmax):
+    """Both launch forms (one chunk a row; chunks merged by the last to finish) compile for
     sm_90, with and without the log-softmax (the interpreter skips the branches not taken)."""
     from specrun.runtime.kernels.topk_triton import _topk_kernel
 
     signature = {
         "x_ptr": "*bf16", "keys_ptr": "*i64", "values_ptr": "*fp32" if log_softmax else "*bf16",
-        "columns_ptr": "*i64", "stats_ptr": "*fp32", "num_cols": "i32", "stride_x": "i32",
-        "stride_out": "i32",
+        "columns_ptr": "*i64", "stats_ptr": "*fp32", "arrivals_ptr": "*i32", "num_cols": "i32",
+        "stride_x": "i32", "stride_out": "i32",
     }  # fmt: skip
-    constexprs = dict(K=8, BLOCK=2048, FROM_KEYS=from_keys, TO_KEYS=to_keys,
-                      LOG_SOFTMAX=log_softmax, CHUNKS=8)  # fmt: skip
-    assert ".entry _topk_kernel" in compile_for_hopper(_topk_kernel, signature, constexprs)
+    constexprs = dict(K=8, BLOCK=2048, TWO_STAGES=two_stages, LOG_SOFTMAX=log_softmax,
+                      CHUNKS=8, MERGE_BLOCK=64)  # fmt: skip
+    ptx = compile_for_hopper(_topk_kernel, signature, constexprs)
+    assert ("atom.global" in ptx) == two_stages
 
 
 INTERPRET_CASES = (
@@ -163,7 +164,9 @@ INTERPRET_CASES = (
 
 
 def _interpret_main() -> int:
-    """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference."""
+    """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference;
+    the arrival counters zeroed again after each launch."""
+    from specrun.runtime.kernels.arrivals import arrival_counters
     from specrun.runtime.kernels.topk_triton import launch_topk
 
     failures = 0
@@ -177,6 +180,7 @@ def _interpret_main() -> int:
         want_values, want_columns = log_softmax_topk_ref(x, k)
         ok = ok and torch.equal(columns, want_columns)
         ok = ok and torch.allclose(values, want_values, rtol=1e-5, atol=1e-5)
+        ok = ok and not arrival_counters(x, 1).any()  # every launch leaves them zeroed
         failures += not ok
         print(f"case {i}: {num_rows}x{num_cols} k={k} ties={ties} {'ok' if ok else 'FAIL'}")
     return 1 if failures else 0

@@ -317,10 +317,8 @@ INTERPRET_CASES = (
 def _interpret_main() -> int:
     """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference;
     the splits' arrival counters (one buffer for every launch) zeroed again after each."""
-    from specrun.runtime.kernels.tree_attention_triton import (
-        arrival_counters,
-        launch_tree_attention,
-    )
+    from specrun.runtime.kernels.arrivals import arrival_counters
+    from specrun.runtime.kernels.tree_attention_triton import launch_tree_attention
 
     failures = 0
     for i, (case, lens, block_r, block_n, num_splits, *min_split_len) in enumerate(INTERPRET_CASES):
