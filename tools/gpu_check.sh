@@ -15,6 +15,9 @@
 #                   reference decoding does, eager rounds in CUDA graphs, then compiled
 #                   ones; 4 min on two H200s, most of it the compiled engine's warm-up)
 #   PART all        every part above (more than one call's 10 minutes with empty caches)
+#   PART tier       decoder, runtime, compiler and artifacts at once, one pytest process each
+#                   (the single-GPU tier in one call: compilation is mostly one core per
+#                   process; about as long as the decoder part alone)
 #   PART bench      no tests: only the benchmarks the variables below ask for
 # SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks
 # (tree attention, then the skinny products); SPECRUN_BENCH_SWEEP=1 tree attention on the batch-1
@@ -38,6 +41,21 @@
 set -o pipefail
 part=${1:-runtime}
 shift || true
+if [ "$part" = tier ]; then
+    OUT=${OUT:-/tmp/specrun-gpu}
+    mkdir -p "$OUT"
+    pids=()
+    for each in decoder runtime compiler artifacts; do
+        bash "$0" "$each" "$@" > "$OUT/summary_$each.txt" 2>&1 &
+        pids+=($!)
+    done
+    status=0
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    for each in decoder runtime compiler artifacts; do
+        echo "== $each"; grep -E "[0-9]+ (passed|failed)|^(FAILED|ERROR)" "$OUT/summary_$each.txt"
+    done
+    exit $status
+fi
 logging=(-p no:logging)
 case $part in
     decoder) selection=(tests/runtime/test_gpu_decoder.py) ;;
@@ -56,7 +74,7 @@ case $part in
         logging+=(-o faulthandler_timeout=$stacks_at) ;;
     all) selection=(tests) ;;
     bench) selection=() ;;
-    *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts, tp, all or bench" >&2
+    *) echo "unknown part '$part': use decoder, runtime, compiler, artifacts, tp, all, tier or bench" >&2
        exit 2 ;;
 esac
 OUT=${OUT:-/tmp/specrun-gpu}
