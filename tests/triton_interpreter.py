@@ -25,11 +25,19 @@ def assert_script_passes_under_interpreter(script: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, object]) -> str:
+def compile_for_hopper(
+    kernel,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    *,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> str:
     """Compile a `@triton.jit` kernel to PTX for sm_90 on this machine (no GPU needed) and
     return the PTX: what the interpreter cannot check (names defined on every path of a
-    branch Triton compiles, types at each pointer). signature: each runtime argument's Triton
-    type ("*bf16", "i32", ...); constexprs: the constexpr arguments' values."""
+    branch Triton compiles, types at each pointer, a pipeline's shape). signature: each
+    runtime argument's Triton type ("*bf16", "i32", ...); constexprs: the constexpr
+    arguments' values."""
     pytest.importorskip("triton")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,4 +50,5 @@ def compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, 
         signature=full_signature,
         constexprs={(names.index(name),): value for name, value in constexprs.items()},
     )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]

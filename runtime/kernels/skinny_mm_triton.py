@@ -18,6 +18,11 @@ from ._triton import wrap
 _DOT_ROWS = 16  # tl.dot's smallest M
 # Shared memory the pipelined x and w tiles may take (of the H100's 227 KB a block).
 _STAGE_BUDGET_BYTES = 200 * 1024
+# Rows of w at least this long stream from memory at bandwidth (Llama-3.1-8B's 4096 and
+# 14,336); shorter ones (a small model's hidden size) are bound by each program's latency.
+_LONG_ROW = 1536
+# One row of x: below this many columns, narrower programs read longer steps.
+_ONE_ROW_LONG = 2048
 
 
 @dataclass(frozen=True)
@@ -127,26 +132,38 @@ def dot_rows(num_rows: int) -> int:
 
 def skinny_mm_config(num_rows: int, n: int, k: int) -> SkinnyMMConfig:
     """The tiling for x [num_rows, k] @ w [n, k]^T, fitted to `specrun bench skinny-mm --sweep`
-    on an H100 (BENCHMARKS.md). One row takes 8 rows of w per program, 512 columns a step,
-    elementwise. 2-16 rows (fitted to Llama-3.1-8B's weights) take tensor-core tiles of 256
+    (BENCHMARKS.md).
+
+    Long rows (k >= 1536; Llama-3.1-8B's weights, on an H100): one row of x takes 8 rows of w
+    per program, 512 columns a step, elementwise. 2-16 rows take tensor-core tiles of 256
     columns and 64 rows of w where N >= 6144 (16 below: N = 4096 then still has 256
-    programs). 17-64 rows (a tree's verification, a large bucket; fitted to SmolLM2-135M's
-    and the 8B's weights) re-read x in every program, so programs take wider slices of w
-    once N leaves enough of them (32 rows of w from N = 3072, 64 from 6144) and shorter
-    steps where K is short (128 columns; 64 for a vocabulary-sized N). Pipeline stages are
-    as many as fit _STAGE_BUDGET_BYTES of shared memory, up to the fitted maximum."""
+    programs); 17-64 rows re-read x in every program, so programs take wider slices of w once
+    N leaves enough of them (32 rows of w from N = 3072, 64 from 6144) and steps of 256
+    columns.
+
+    Short rows (a small model's: SmolLM2-135M's 576 and 1536 columns, on an H200) are bound by
+    each program's latency, not bandwidth. One row of x (k < 2048): 4 rows of w a program, 2
+    warps, steps of 1024 columns (576 in one masked step instead of two of 512; 256 for a
+    vocabulary-sized N >= 6144, whose 4-row programs are many). 2-64 rows (k < 1536): steps of
+    64 columns (576 is no multiple of 128 or 256, so wider steps mask their last) over 16 rows
+    of w, 32 from N = 3072 and 64 from 6144, up to 5 stages (3 for a vocabulary).
+
+    Pipeline stages are as many as fit _STAGE_BUDGET_BYTES of shared memory, up to the
+    fitted maximum."""
     if num_rows == 1:
+        if k < _ONE_ROW_LONG:
+            block_k = 1024 if n < 6144 else 256
+            num_stages = 1 if block_k >= k else 3
+            return SkinnyMMConfig(block_n=4, block_k=block_k, num_warps=2, num_stages=num_stages)
         return SkinnyMMConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
-    if num_rows <= _DOT_ROWS:
+    if k < _LONG_ROW:
+        block_n = 64 if n >= 6144 else 32 if n >= 3072 else 16
+        block_k, max_stages = 64, (3 if n >= 6144 else 5)
+    elif num_rows <= _DOT_ROWS:
         block_n, block_k, max_stages = (64 if n >= 6144 else 16), 256, 5
     else:
         block_n = 64 if n >= 6144 else 32 if n >= 3072 else 16
-        if k >= 1536:
-            block_k, max_stages = 256, 4
-        elif n >= 6144:  # a small model's vocabulary: many programs, each re-reading all of x
-            block_k, max_stages = 64, 3
-        else:
-            block_k, max_stages = 128, 4
+        block_k, max_stages = 256, 4
     stage_bytes = (dot_rows(num_rows) + block_n) * block_k * 2
     return SkinnyMMConfig(
         block_n=block_n,

@@ -10,6 +10,7 @@ and in a CUDA graph.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import pytest
@@ -97,8 +98,39 @@ def test_triton_kernel_compiles_for_hopper(block_m, even_k):
     assert "mma" in compile_for_hopper(_skinny_mm_kernel, signature, constexprs)
 
 
+def test_short_rows_fitted_tilings_compile_for_hopper():
+    """Every tiling the table picks for SmolLM2's products (576- and 1536-column rows: one-step
+    rows, 4-row programs, 2 warps, 64-column steps) compiles for sm_90 with its warps and
+    stages."""
+    from specrun.runtime.kernels import skinny_mm_triton as kernel
+
+    scalars = ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_om")
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
+    signature.update(dict.fromkeys(scalars, "i32"))
+    shapes = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]
+    launches = set()
+    for num_rows, (n, k) in itertools.product([1, 8, 41], shapes):
+        config = kernel.skinny_mm_config(num_rows, n, k)
+        block_m = kernel.dot_rows(num_rows) if config.use_dot else 1
+        even_k = k % config.block_k == 0
+        launches.add((block_m, config.block_n, config.block_k, even_k, config.num_warps,
+                      config.num_stages))  # fmt: skip
+    for block_m, block_n, block_k, even_k, num_warps, num_stages in sorted(launches):
+        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even_k)
+        ptx = compile_for_hopper(
+            kernel._skinny_mm_kernel,
+            signature,
+            constexprs,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        assert ("mma" in ptx) == (block_m > 1)
+
+
 @pytest.mark.parametrize("num_rows", [1, 2, 16, 17, 33, MAX_ROWS])
-@pytest.mark.parametrize(("n", "k"), [(576, 576), (3072, 576), (49152, 576), (4096, 14336)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (4096, 14336)]
+)
 def test_every_fitted_tiling_pipelines_within_shared_memory(num_rows, n, k):
     pytest.importorskip("triton")
     from specrun.runtime.kernels import skinny_mm_triton as kernel
@@ -106,9 +138,11 @@ def test_every_fitted_tiling_pipelines_within_shared_memory(num_rows, n, k):
     config = kernel.skinny_mm_config(num_rows, n, k)
     rows = kernel.dot_rows(num_rows) if config.use_dot else 1
     stage_bytes = (rows + config.block_n) * config.block_k * 2
+    one_step = config.block_k >= k
     assert config.use_dot == (num_rows > 1)
-    assert config.num_stages >= 2 and config.num_stages * stage_bytes <= 227 * 1024
-    assert config.block_k <= k and rows >= num_rows
+    assert config.num_stages * stage_bytes <= 227 * 1024
+    assert one_step or config.num_stages >= 2  # a loop of several steps pipelines its loads
+    assert config.block_k < 2 * k and rows >= num_rows
 
 
 def test_triton_kernel_under_interpreter():
@@ -119,6 +153,7 @@ INTERPRET_CASES = (
     # (rows, n, k, block_n, block_k, use_dot): whole blocks, ragged n and k, strided x
     (1, 32, 128, 8, 64, False),
     (1, 37, 100, 8, 32, False),
+    (1, 22, 100, 4, 128, False),  # one step wider than k: 4-row programs, one masked load
     (3, 40, 70, 16, 32, True),
     (16, 33, 128, 16, 32, True),
     (5, 64, 96, 32, 32, True),
