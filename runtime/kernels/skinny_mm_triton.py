@@ -156,13 +156,12 @@ def skinny_mm_config(num_rows: int, n: int, k: int) -> SkinnyMMConfig:
             num_stages = 1 if block_k >= k else 3
             return SkinnyMMConfig(block_n=4, block_k=block_k, num_warps=2, num_stages=num_stages)
         return SkinnyMMConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
+    block_n = 64 if n >= 6144 else 32 if n >= 3072 else 16
     if k < _LONG_ROW:
-        block_n = 64 if n >= 6144 else 32 if n >= 3072 else 16
         block_k, max_stages = 64, (3 if n >= 6144 else 5)
     elif num_rows <= _DOT_ROWS:
         block_n, block_k, max_stages = (64 if n >= 6144 else 16), 256, 5
     else:
-        block_n = 64 if n >= 6144 else 32 if n >= 3072 else 16
         block_k, max_stages = 256, 4
     stage_bytes = (dot_rows(num_rows) + block_n) * block_k * 2
     return SkinnyMMConfig(
