@@ -64,10 +64,17 @@ DEFAULT_RECOMPILE_LIMIT = 8
 # launched as one (a layer's q and k rotations and its v copy, the draft steps' small
 # kernels): a round is hundreds of kernels of a few microseconds each. Element-wise only:
 # torch 2.11's Inductor fails to generate a combo kernel holding a sort (the tree's top-k).
+# No shape padding: Inductor's pad_mm decides by timing padded against unpadded products
+# while compiling (once it judges a product compute-bound, or cannot query the GPU's peak
+# rates), so the same step could compile differently from run to run, and an attention's
+# matmul padded and sliced back is no longer the SDPA lowering the tree-attention pass
+# recognises. The models' dimensions are multiples of 8, and few-row products go to
+# rt::skinny_mm.
 _INDUCTOR_OPTIONS = {
     "triton.cudagraphs": False,
     "combo_kernels": True,
     "combo_kernels_pointwise_only": True,
+    "shape_padding": False,
 }
 
 # Graphs allowed per code object: the sum of the recompile limits of its steps (see above).

@@ -18,6 +18,8 @@ import torch
 from specrun.runtime.config import SamplingParams
 from specrun.runtime.graphs import compile_round, compile_step
 from specrun.runtime.kv_cache import KVCache
+from specrun.runtime.passes import PassManager
+from specrun.runtime.passes.manager import GraphPass
 from specrun.runtime.round import ReportColumns, draft_phase, speculative_round
 from specrun.runtime.tree import TreeShape
 from tiny_models import TargetAsDraft, prefilled_state, random_head, random_llama, tiny_config
@@ -84,6 +86,26 @@ def test_recompiles_are_bounded_and_config_is_left_alone():
         step(torch.ones(3))
     assert step.num_compiles == 1
     assert torch._inductor.config.post_grad_custom_post_pass is None
+
+
+class _ConfigAtCompile(GraphPass):
+    """Records Inductor's shape_padding as the post-grad passes see it."""
+
+    name = "config_at_compile"
+
+    def __call__(self, graph):
+        self.shape_padding = torch._inductor.config.shape_padding
+        return 0
+
+
+def test_steps_compile_without_shape_padding():
+    """Inductor's pad_mm would time padded against unpadded products while compiling: steps
+    compile with it off (the same graph every run), and the process's config is untouched."""
+    recorder = _ConfigAtCompile()
+    step = compile_step(lambda x: x + 1, name="add_one", manager=PassManager([recorder]))
+    assert torch.equal(step(torch.ones(5)), torch.full((5,), 2.0))
+    assert recorder.shape_padding is False
+    assert torch._inductor.config.shape_padding is True
 
 
 def _triple(x):
