@@ -232,3 +232,22 @@ def save_byte_level_chat_model(out_dir: Path, chat_config_dir: Path) -> tuple[Pa
     for name in ("tokenizer_config.json", "generation_config.json"):
         shutil.copy(chat_config_dir / name, model_dir / name)
     return model_dir, save_draft(random_head("eagle3", target, seed=1), out_dir / "head")
+
+
+def chained_step_inputs(config, *, batch, num_tokens, dtype, device="cpu"):
+    """Arguments of a target forward of `num_tokens` chained tokens per slot over random
+    committed caches: (tokens, positions, attention inputs)."""
+    from specrun.runtime.kv_cache import KVCache
+
+    cache = KVCache.allocate(
+        config, batch_size=batch, capacity=32, dtype=dtype, device=device, num_layers=None
+    )
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.lengths.copy_(torch.arange(batch, device=device) + 3)
+    visible = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
+    bits = (visible.long() << torch.arange(num_tokens)).sum(-1, keepdim=True)
+    anc = bits.expand(batch, -1, -1).to(device)
+    tokens = torch.randint(0, config.vocab_size, (batch, num_tokens), device=device)
+    positions = cache.lengths[:, None] + torch.arange(num_tokens, device=device)
+    return tokens, positions, cache.attention_inputs(anc)

@@ -42,27 +42,27 @@ def within_offset_range(t: torch.Tensor) -> bool:
     return last <= _MAX_OFFSET
 
 
-def check_skinny_mm_inputs(x: torch.Tensor, w: torch.Tensor) -> None:
-    """Raise ValueError unless `rt::skinny_mm` takes (x, w)."""
+def check_skinny_mm_inputs(x: torch.Tensor, w: torch.Tensor, *, op: str = "rt::skinny_mm") -> None:
+    """Raise ValueError unless `op` (rt::skinny_mm or an op built on its product) takes
+    x [M, K] and w [N, K]."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(
-            f"rt::skinny_mm takes x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}"
+            f"{op} takes x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}"
         )
     if x.dtype not in DTYPES or w.dtype != x.dtype:
         raise ValueError(
-            f"rt::skinny_mm takes float16 or bfloat16 x and w of one dtype, got {x.dtype} and "
-            f"{w.dtype}"
+            f"{op} takes float16 or bfloat16 x and w of one dtype, got {x.dtype} and {w.dtype}"
         )
     if not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"rt::skinny_mm takes 1 to {MAX_ROWS} rows of x, got {x.shape[0]}")
+        raise ValueError(f"{op} takes 1 to {MAX_ROWS} rows of x, got {x.shape[0]}")
     if x.shape[1] != w.shape[1] or x.shape[1] == 0 or w.shape[0] == 0:
         raise ValueError(
-            f"rt::skinny_mm: x [M, K] and w [N, K] need one K > 0 and N > 0, got "
-            f"{tuple(x.shape)} and {tuple(w.shape)}"
+            f"{op}: x [M, K] and w [N, K] need one K > 0 and N > 0, got {tuple(x.shape)} and "
+            f"{tuple(w.shape)}"
         )
     if not (within_offset_range(x) and within_offset_range(w)):
         raise ValueError(
-            f"rt::skinny_mm takes operands of fewer than 2**31 elements (by their strides), got "
+            f"{op} takes operands of fewer than 2**31 elements (by their strides), got "
             f"w {tuple(w.shape)} with strides {w.stride()}; use torch.mm for larger ones"
         )
 

@@ -39,29 +39,16 @@ class SkinnyMMConfig:
 
 
 @triton.jit
-def _skinny_mm_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    stride_om,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """out[:M, n-block] = x[:M] @ w[n-block]^T, summed in float32."""
-    pid_n = tl.program_id(0)
-    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def skinny_mm_tile(
+    x_ptr, w_ptr, rows_n, rows_ok, M, K, stride_xm, stride_xk, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """x[:M] @ w[rows_n]^T as a float32 [BLOCK_M, BLOCK_N] tile, for the BLOCK_N rows of w
+    `rows_n` names (rows past M, and rows of w where `rows_ok` is False, hold 0): the product
+    every kernel built on `rt::skinny_mm` shares."""
     rows_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
-    n_ok = rows_n[:, None] < N
+    n_ok = rows_ok[:, None]
     m_ok = rows_m[:, None] < M
     w_rows = w_ptr + rows_n[:, None] * stride_wn
     if BLOCK_M == 1:
@@ -85,9 +72,22 @@ def _skinny_mm_kernel(
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
             acc = tl.dot(x, tl.trans(w), acc)
-    sums = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else acc
+    return tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else acc
+
+
+@triton.jit
+def _skinny_mm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """out[:M, n-block] = x[:M] @ w[n-block]^T, summed in float32."""
+    rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sums = skinny_mm_tile(x_ptr, w_ptr, rows_n, rows_n < N, M, K, stride_xm, stride_xk,
+                          stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+    rows_m = tl.arange(0, BLOCK_M)
     out_ptrs = out_ptr + rows_m[:, None] * stride_om + rows_n[None, :]
-    tl.store(out_ptrs, sums.to(out_ptr.dtype.element_ty), mask=m_ok & (rows_n[None, :] < N))
+    ok = (rows_m[:, None] < M) & (rows_n[None, :] < N)
+    tl.store(out_ptrs, sums.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def launch_skinny_mm(

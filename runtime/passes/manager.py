@@ -96,8 +96,15 @@ class PassManager(CustomGraphPass):
 
 def default_passes() -> list[GraphPass]:
     """specrun's passes, in the order they run."""
+    from .mm_silu_mul import SiluMulFusion
     from .skinny_mm import SkinnyMMReplacement
     from .topk import SmallTopkReplacement
     from .tree_attention import TreeAttentionFusion
 
-    return [TreeAttentionFusion(), SmallTopkReplacement(), SkinnyMMReplacement()]
+    # The SiLU fusion takes the products the skinny-mm pass made.
+    return [
+        TreeAttentionFusion(),
+        SmallTopkReplacement(),
+        SkinnyMMReplacement(),
+        SiluMulFusion(),
+    ]

@@ -13,31 +13,14 @@ import pytest
 import torch
 
 from specrun.runtime.graphs import compile_verify
-from specrun.runtime.kv_cache import KVCache
 from specrun.runtime.passes import PassManager
 from specrun.runtime.passes.skinny_mm import SkinnyMMReplacement
-from tiny_models import random_llama, tiny_config
+from tiny_models import chained_step_inputs, random_llama, tiny_config
 
 # Every compile must really run: cached graphs would skip the passes.
 pytestmark = pytest.mark.usefixtures("uncached_compiles")
 
 PROJECTIONS_PER_LAYER = 4  # fused q/k/v, output, fused gate/up, down
-
-
-def _step_inputs(config, *, batch, num_tokens, dtype, device="cpu"):
-    """A forward of `num_tokens` chained tokens per slot over committed caches."""
-    cache = KVCache.allocate(
-        config, batch_size=batch, capacity=32, dtype=dtype, device=device, num_layers=None
-    )
-    cache.k.normal_()
-    cache.v.normal_()
-    cache.lengths.copy_(torch.arange(batch, device=device) + 3)
-    visible = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
-    bits = (visible.long() << torch.arange(num_tokens)).sum(-1, keepdim=True)
-    anc = bits.expand(batch, -1, -1).to(device)
-    tokens = torch.randint(0, config.vocab_size, (batch, num_tokens), device=device)
-    positions = cache.lengths[:, None] + torch.arange(num_tokens, device=device)
-    return tokens, positions, cache.attention_inputs(anc)
 
 
 def _compiled_step(target, *, device_types=("cpu",)):
@@ -55,7 +38,9 @@ def test_replaces_every_projection_of_a_few_row_step(batch, num_tokens):
     torch.manual_seed(0)
     target = random_llama(tiny_config(), dtype=torch.bfloat16)
     step, manager = _compiled_step(target)
-    inputs = _step_inputs(target.config, batch=batch, num_tokens=num_tokens, dtype=torch.bfloat16)
+    inputs = chained_step_inputs(
+        target.config, batch=batch, num_tokens=num_tokens, dtype=torch.bfloat16
+    )
     _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert manager.stats["skinny_mm"] == PROJECTIONS_PER_LAYER * target.config.num_layers
 
@@ -72,7 +57,7 @@ def test_leaves_other_products_alone(dtype, batch, num_tokens, device_types):
     torch.manual_seed(0)
     target = random_llama(tiny_config(num_layers=1), dtype=dtype)
     step, manager = _compiled_step(target, device_types=device_types)
-    inputs = _step_inputs(target.config, batch=batch, num_tokens=num_tokens, dtype=dtype)
+    inputs = chained_step_inputs(target.config, batch=batch, num_tokens=num_tokens, dtype=dtype)
     _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert manager.stats["skinny_mm"] == 0
 
@@ -85,7 +70,7 @@ def test_gpu_bf16_decode_step_replaces_and_matches_eager(batch):
     target = random_llama(tiny_config(hidden_size=256, intermediate_size=704), dtype=torch.bfloat16)
     target = target.cuda()
     step, manager = _compiled_step(target, device_types=("cuda",))
-    inputs = _step_inputs(
+    inputs = chained_step_inputs(
         target.config, batch=batch, num_tokens=1, dtype=torch.bfloat16, device="cuda"
     )
     _assert_close(step(*inputs), target(*inputs), atol=3e-2, rtol=3e-2)
