@@ -44,6 +44,7 @@ from .llama import (
     DecoderLayer,
     Llama,
     ModelOutput,
+    NewKeysValues,
     RMSNorm,
     RotaryEmbedding,
 )
@@ -52,19 +53,20 @@ NUM_EAGLE3_TAPS = 3
 
 
 @dataclass
-class DraftOutput:
+class DraftOutput(NewKeysValues):
     """One draft forward over T new tokens.
 
     hidden: [B, T, H] the head's output hidden state (pre final norm): the next step's feature.
     logits: [B, T, V_draft] over the head's output vocabulary (`to_target_ids` maps ids back).
-    k_new, v_new: [num_layers, B, Hkv, T, D] keys/values of the new tokens, for the caller to
-        commit to the draft cache or keep in the side buffer.
+    k_tree, v_tree: [num_layers, B, Hkv, N0 + T, D] the tree keys/values the forward attended
+        to: the side buffer's N0 (none without one), then the T new tokens'. The next tree
+        level's side buffer as they are (no copy); `k_new` / `v_new` are the new tokens' alone.
     """
 
     hidden: torch.Tensor
     logits: torch.Tensor
-    k_new: torch.Tensor
-    v_new: torch.Tensor
+    k_tree: torch.Tensor
+    v_tree: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -84,13 +86,19 @@ def run_layers(
     first_layer: int = 0,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Decoder layers in order, layer i attending to cache layer first_layer + i.
-    x: [B, T, H]. Returns x and each layer's k, v [B, Hkv, T, D]."""
-    k_new, v_new = [], []
+    x: [B, T, H]. Returns x and each layer's tree keys and values [B, Hkv, N0 + T, D]."""
+    k_tree, v_tree = [], []
     for i, layer in enumerate(layers):
         x, k, v = layer(x, rope, attn, first_layer + i)
-        k_new.append(k)
-        v_new.append(v)
-    return x, k_new, v_new
+        k_tree.append(k)
+        v_tree.append(v)
+    return x, k_tree, v_tree
+
+
+def stack_layers(per_layer: list[torch.Tensor]) -> torch.Tensor:
+    """[num_layers, ...] from each layer's tensor: a view for one layer (no copy of a
+    one-layer head's tree keys), a stack for more."""
+    return per_layer[0][None] if len(per_layer) == 1 else torch.stack(per_layer)
 
 
 class DraftHead(nn.Module):
@@ -136,7 +144,7 @@ class DraftHead(nn.Module):
         attn: AttentionInputs,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head's layers over T new tokens, without the logits: hidden [B, T, H] and the
-        new keys/values [num_layers, B, Hkv, T, D] (see DraftOutput)."""
+        tree keys/values [num_layers, B, Hkv, N0 + T, D] (see DraftOutput)."""
         raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -152,8 +160,8 @@ class DraftHead(nn.Module):
     ) -> DraftOutput:
         """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache.
         The trunk, then the logits at every new token."""
-        hidden, k_new, v_new = self.trunk(tokens, features, positions, attn)
-        return DraftOutput(hidden, self.logits(hidden), k_new, v_new)
+        hidden, k_tree, v_tree = self.trunk(tokens, features, positions, attn)
+        return DraftOutput(hidden, self.logits(hidden), k_tree, v_tree)
 
 
 class FusedInputHead(DraftHead):
@@ -166,11 +174,12 @@ class FusedInputHead(DraftHead):
         positions: torch.Tensor,
         attn: AttentionInputs,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache."""
+        """tokens, positions: [B, T] int64; features: [B, T, H]. attn: the draft's cache.
+        Returns hidden [B, T, H] and the tree keys/values [num_layers, B, Hkv, N0 + T, D]."""
         x = self.fc(torch.cat([self.embed(tokens), features], dim=-1))
         rope = self.rotary(positions, x.dtype)
-        x, k_new, v_new = run_layers(self.layers, x, rope, attn.with_shared_mask())
-        return x, torch.stack(k_new), torch.stack(v_new)
+        x, k_tree, v_tree = run_layers(self.layers, x, rope, attn.with_shared_mask())
+        return x, stack_layers(k_tree), stack_layers(v_tree)
 
 
 class Eagle1Head(FusedInputHead):
@@ -228,7 +237,8 @@ class Eagle3MidLayer(nn.Module):
         attn: AttentionInputs,
         layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """embeds, features: [B, T, H]. Returns x [B, T, H] and k, v [B, Hkv, T, D]."""
+        """embeds, features: [B, T, H]. Returns x [B, T, H] and the tree keys and values
+        [B, Hkv, N0 + T, D] (`Attention.forward`)."""
         mixed = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
         h, k, v = self.self_attn(mixed, rope, attn, layer)
         x = features + h
@@ -301,13 +311,14 @@ class Eagle3Head(DraftHead):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens, positions: [B, T] int64; features: [B, T, H], already projected (a
         `project(taps)` result or a previous `hidden`). attn: the draft's cache
-        (num_layers layers, the mid layer's first). Returns hidden [B, T, H] and k, v
-        [num_layers, B, Hkv, T, D]."""
+        (num_layers layers, the mid layer's first). Returns hidden [B, T, H] and the tree
+        keys/values [num_layers, B, Hkv, N0 + T, D] (the side buffer's, then the new
+        tokens')."""
         rope = self.rotary(positions, features.dtype)
         attn = attn.with_shared_mask()
         x, k, v = self.midlayer(self.embed(tokens), features, rope, attn, 0)
-        x, k_new, v_new = run_layers(self.layers, x, rope, attn, first_layer=1)
-        return x, torch.stack([k, *k_new]), torch.stack([v, *v_new])
+        x, k_tree, v_tree = run_layers(self.layers, x, rope, attn, first_layer=1)
+        return x, stack_layers([k, *k_tree]), stack_layers([v, *v_tree])
 
 
 _HEAD_OF_KIND: dict[str, type[DraftHead]] = {

@@ -154,7 +154,8 @@ class Attention(nn.Module):
         attn: AttentionInputs,
         layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, in]. Returns output [B, T, H] and this step's k, v: [B, Hkv, T, D]."""
+        """x: [B, T, in]. Returns output [B, T, H] and the tree keys and values it attended
+        to, [B, Hkv, N0 + T, D]: attn's side buffer (N0 = 0 without one), then this step's."""
         B, T, _ = x.shape
         num_rotated = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj.joint(x).view(B, T, num_rotated + self.num_kv_heads, self.head_dim)
@@ -181,7 +182,7 @@ class Attention(nn.Module):
             mask=attn.mask,
         )
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-        return self.o_proj(out), k, v
+        return self.o_proj(out), k_tree, v_tree
 
 
 class MLP(nn.Module):
@@ -215,6 +216,8 @@ class DecoderLayer(nn.Module):
         attn: AttentionInputs,
         layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, H]. Returns x and the tree keys and values, [B, Hkv, N0 + T, D]
+        (`Attention.forward`)."""
         normed = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
         h, k, v = self.self_attn(normed, rope, attn, layer)
         x = x + h
@@ -222,15 +225,35 @@ class DecoderLayer(nn.Module):
         return x, k, v
 
 
+class NewKeysValues:
+    """The new tokens' part of a forward's tree keys/values: `k_tree` / `v_tree` [L, B, Hkv,
+    N0 + T, D] and `hidden` [B, T, ...] of the dataclass that mixes this in."""
+
+    hidden: torch.Tensor
+    k_tree: torch.Tensor
+    v_tree: torch.Tensor
+
+    @property
+    def k_new(self) -> torch.Tensor:
+        """[L, B, Hkv, T, D] keys of the T new tokens (a view of k_tree)."""
+        return self.k_tree[:, :, :, -self.hidden.shape[1] :]
+
+    @property
+    def v_new(self) -> torch.Tensor:
+        """[L, B, Hkv, T, D] values of the T new tokens (a view of v_tree)."""
+        return self.v_tree[:, :, :, -self.hidden.shape[1] :]
+
+
 @dataclass
-class ModelOutput:
+class ModelOutput(NewKeysValues):
     """hidden: [B, T, H] post-norm; taps: [B, T, num_taps * H] or None;
-    k_new, v_new: [L, B, Hkv, T, D] keys/values of the new tokens."""
+    k_tree, v_tree: [L, B, Hkv, N0 + T, D] the tree keys/values the forward attended to: the
+    side buffer's N0 (none without one), then the T new tokens' (`k_new`, `v_new`)."""
 
     hidden: torch.Tensor
     taps: torch.Tensor | None
-    k_new: torch.Tensor
-    v_new: torch.Tensor
+    k_tree: torch.Tensor
+    v_tree: torch.Tensor
 
 
 class Llama(nn.Module):
@@ -264,16 +287,16 @@ class Llama(nn.Module):
         rope = self.rotary(positions, x.dtype)
         attn = attn.with_shared_mask()
         entering: dict[int, torch.Tensor] = {}
-        k_new, v_new = [], []
+        k_tree, v_tree = [], []
         for i, layer in enumerate(self.layers):
             if i in self.tap_layers:
                 entering[i] = x
             x, k, v = layer(x, rope, attn, i)
-            k_new.append(k)
-            v_new.append(v)
+            k_tree.append(k)
+            v_tree.append(v)
         entering[len(self.layers)] = x
         taps = torch.cat([entering[t] for t in self.tap_layers], -1) if self.tap_layers else None
-        return ModelOutput(self.norm(x), taps, torch.stack(k_new), torch.stack(v_new))
+        return ModelOutput(self.norm(x), taps, torch.stack(k_tree), torch.stack(v_tree))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., H] post-norm. Returns [..., vocab] in the model dtype."""

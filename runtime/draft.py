@@ -89,6 +89,7 @@ def draft_commit(head: DraftHead, cache: KVCache, pending: PendingPairs) -> torc
     device = pending.tokens.device
     positions = cache.lengths[:, None] + torch.arange(num_pairs, device=device)
     anc = chain_ancestors(batch, num_pairs, device)
+    # No side buffer: the trunk's tree keys are the pairs' own.
     hidden, k_new, v_new = head.trunk(
         pending.tokens, pending.features, positions, cache.attention_inputs(anc)
     )
@@ -185,9 +186,7 @@ def run_frontier(
     )
     positions = (cache.lengths - 1 + level)[:, None].expand(-1, topk)
     out = head(frontier.tokens, frontier.features, positions, attn)
-    side_k = out.k_new if side is None else torch.cat([side[0], out.k_new], dim=3)
-    side_v = out.v_new if side is None else torch.cat([side[1], out.v_new], dim=3)
-    return out, visible, (side_k, side_v)
+    return out, visible, (out.k_tree, out.v_tree)
 
 
 def frontier_visibility(anc: torch.Tensor, num_side: int) -> torch.Tensor:
@@ -266,14 +265,7 @@ def draft_static_tree(
         node_tokens = torch.stack([tokens[n] for n in nodes], dim=1)
         node_features = torch.stack([features[n] for n in nodes], dim=1)
         out = head(node_tokens, node_features, positions, attn)
-        side = (
-            (out.k_new, out.v_new)
-            if side is None
-            else (
-                torch.cat([side[0], out.k_new], dim=3),
-                torch.cat([side[1], out.v_new], dim=3),
-            )
-        )
+        side = (out.k_tree, out.v_tree)
         top = head.to_target_ids(out.logits.topk(static.max_rank, dim=-1).indices)
         for child in range(1, static.num_nodes):
             if depths[child] == level + 1:

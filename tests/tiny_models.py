@@ -98,7 +98,7 @@ class TargetAsDraft(torch.nn.Module):
 
     def trunk(self, tokens, features, positions, attn):
         out = self.target(tokens, positions, attn)
-        return out.hidden, out.k_new, out.v_new
+        return out.hidden, out.k_tree, out.v_tree
 
     def logits(self, hidden):
         return self.target.logits(hidden)
@@ -106,8 +106,8 @@ class TargetAsDraft(torch.nn.Module):
     def forward(self, tokens, features, positions, attn):
         from specrun.models.eagle import DraftOutput
 
-        hidden, k_new, v_new = self.trunk(tokens, features, positions, attn)
-        return DraftOutput(hidden, self.logits(hidden), k_new, v_new)
+        hidden, k_tree, v_tree = self.trunk(tokens, features, positions, attn)
+        return DraftOutput(hidden, self.logits(hidden), k_tree, v_tree)
 
 
 class ShuffledPolicy(Policy):

@@ -123,8 +123,7 @@ def unroll(
         attn = AttentionInputs(cache, cache, cache_len, anc, k_side, v_side)
         out = head(shift_left(tokens, 1 + step), features, positions + step, attn)
         yield out
-        k_side = out.k_new if k_side is None else torch.cat([k_side, out.k_new], dim=3)
-        v_side = out.v_new if v_side is None else torch.cat([v_side, out.v_new], dim=3)
+        k_side, v_side = out.k_tree, out.v_tree
         features = out.hidden
 
 
