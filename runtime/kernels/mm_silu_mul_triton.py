@@ -15,7 +15,6 @@ import triton.language as tl
 from ._triton import wrap
 from .skinny_mm_triton import (
     SkinnyMMConfig,
-    dot_rows,
     skinny_mm_config,
     skinny_mm_tile,
 )
@@ -67,13 +66,12 @@ def launch_mm_silu_mul(
     intermediate = w.shape[0] // 2
     if config is None:
         config = mm_silu_mul_config(num_rows, intermediate, k)
-    if num_rows > 1 and not config.use_dot:
-        raise ValueError(f"{config} multiplies one row of x; got {num_rows}")
+    block_m = config.block_m(num_rows)
     out = torch.empty((num_rows, intermediate), dtype=x.dtype, device=x.device)
     wrap(_mm_silu_mul_kernel)[(triton.cdiv(intermediate, config.block_n // 2),)](
         x, w, out, num_rows, intermediate, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         out.stride(0),
-        BLOCK_M=dot_rows(num_rows) if config.use_dot else 1, BLOCK_N=config.block_n,
+        BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

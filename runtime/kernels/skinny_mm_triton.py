@@ -37,6 +37,15 @@ class SkinnyMMConfig:
     num_stages: int
     use_dot: bool = False
 
+    def block_m(self, num_rows: int) -> int:
+        """The rows of x a program's tile holds for `num_rows` rows: 16, 32 or 64 on the
+        tensor cores, 1 elementwise (which multiplies one row only)."""
+        if self.use_dot:
+            return dot_rows(num_rows)
+        if num_rows > 1:
+            raise ValueError(f"{self} multiplies one row of x; got {num_rows}")
+        return 1
+
 
 @triton.jit
 def skinny_mm_tile(
@@ -99,8 +108,7 @@ def launch_skinny_mm(
     n = w.shape[0]
     if config is None:
         config = skinny_mm_config(num_rows, n, k)
-    if num_rows > 1 and not config.use_dot:
-        raise ValueError(f"{config} multiplies one row of x; got {num_rows}")
+    block_m = config.block_m(num_rows)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, config.block_n),)
     wrap(_skinny_mm_kernel)[grid](
@@ -115,7 +123,7 @@ def launch_skinny_mm(
         w.stride(0),
         w.stride(1),
         out.stride(0),
-        BLOCK_M=dot_rows(num_rows) if config.use_dot else 1,
+        BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
