@@ -14,7 +14,9 @@ import triton.language as tl
 
 from ._triton import wrap
 from .skinny_mm_triton import (
+    NormPrologue,
     SkinnyMMConfig,
+    norm_prologue_args,
     skinny_mm_config,
     skinny_mm_tile,
 )
@@ -23,13 +25,15 @@ from .skinny_mm_triton import (
 @triton.jit
 def _mm_silu_mul_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
+    d_ptr, nw_ptr, h_ptr, stride_dm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    NORM: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[:M, n-block] = SiLU(x @ gate[n-block]^T) * (x @ up[n-block]^T) for n-blocks of
     BLOCK_N // 2 columns, where w holds the gate's N rows and then the up projection's. One
     product tile over both halves' rows (one K loop, as the unfused product's programs run);
     both halves rounded to x's dtype, SiLU in float32 rounded, their product rounded again
-    (the unfused graph's roundings)."""
+    (the unfused graph's roundings). x is NormPrologue's with NORM."""
     HALF: tl.constexpr = BLOCK_N // 2
     columns = tl.program_id(0) * HALF + tl.arange(0, HALF)
     # Tile rows [0, HALF) are gate rows, [HALF, BLOCK_N) the matching up rows.
@@ -37,7 +41,9 @@ def _mm_silu_mul_kernel(
     half_lanes = tl.program_id(0) * HALF + (lanes % HALF)
     rows_n = tl.where(lanes < HALF, half_lanes, N + half_lanes)
     sums = skinny_mm_tile(x_ptr, w_ptr, rows_n, half_lanes < N, M, K, stride_xm, stride_xk,
-                          stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+                          stride_wn, stride_wk, d_ptr, nw_ptr, h_ptr, stride_dm, eps,
+                          tl.where(tl.program_id(0) == 0, M, 0), BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_K, NORM, NORM_BLOCK_K)  # fmt: skip
     dtype = out_ptr.dtype.element_ty
     sums = sums.to(dtype).to(tl.float32)
     # [rows, 2, HALF] -> [rows, HALF, 2]: split the halves apart.
@@ -58,21 +64,24 @@ def mm_silu_mul_config(num_rows: int, intermediate: int, k: int) -> SkinnyMMConf
 
 
 def launch_mm_silu_mul(
-    x: torch.Tensor, w: torch.Tensor, *, config: SkinnyMMConfig | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    config: SkinnyMMConfig | None = None,
+    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     """Run the kernel on x [M, K] and w [2I, K] (inputs as mm_silu_mul.check_mm_silu_mul_inputs
-    allows). Returns [M, I] in x's dtype."""
+    allows; with `norm`, on its normalised x + delta). Returns [M, I] in x's dtype."""
     num_rows, k = x.shape
     intermediate = w.shape[0] // 2
     if config is None:
         config = mm_silu_mul_config(num_rows, intermediate, k)
-    block_m = config.block_m(num_rows)
     out = torch.empty((num_rows, intermediate), dtype=x.dtype, device=x.device)
+    block_m = config.block_m(num_rows)
     wrap(_mm_silu_mul_kernel)[(triton.cdiv(intermediate, config.block_n // 2),)](
         x, w, out, num_rows, intermediate, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        out.stride(0), **norm_prologue_args(x, norm, block_m=block_m),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -1,8 +1,10 @@
-"""The Triton kernel of `rt::skinny_mm`, its launcher and its tiling per shape.
+"""The Triton kernel of `rt::skinny_mm`, its launcher and its tiling per shape; the product
+tile (`skinny_mm_tile`) that the ops built on it share, with its optional input prologue
+(`NormPrologue`: the residual add and RMSNorm of `rt::add_rms_norm_mm`, rms_norm_mm.py).
 
-Imported only where Triton is installed, by the op's CUDA path in skinny_mm.py (and by the
-TRITON_INTERPRET tests and `specrun bench skinny-mm`): skinny_mm.py states the method and holds
-the reference that every other caller runs.
+Imported only where Triton is installed, by the ops' CUDA paths (and by the TRITON_INTERPRET
+tests and `specrun bench skinny-mm`): skinny_mm.py states the method and holds the reference
+that every other caller runs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ _STAGE_BUDGET_BYTES = 200 * 1024
 _LONG_ROW = 1536
 # One row of x: below this many columns, narrower programs read longer steps.
 _ONE_ROW_LONG = 2048
+# Entries of the [rows, columns] tile a NormPrologue reads its rows' squares in.
+_NORM_TILE = 16384
 
 
 @dataclass(frozen=True)
@@ -47,19 +51,77 @@ class SkinnyMMConfig:
         return 1
 
 
+@dataclass(frozen=True)
+class NormPrologue:
+    """A product's input built in its own programs (`rt::add_rms_norm_mm`): h = x + delta,
+    rounded to x's dtype and written to `h` by program 0, then RMS-normalised in float32 with
+    `eps`, rounded, scaled by `weight` and rounded again (models/llama.py's RMSNorm)."""
+
+    delta: torch.Tensor  # [M, K] in x's dtype, rows contiguous
+    weight: torch.Tensor  # [K] in x's dtype
+    eps: float
+    h: torch.Tensor  # [M, K] in x's dtype, contiguous: written
+
+
+@triton.jit
+def _residual_sum(x_ptr, d_ptr, rows_m, ks, ok, stride_xm, stride_xk, stride_dm):
+    """(x + delta)[rows_m, ks] rounded to x's dtype (0 where not ok)."""
+    x = tl.load(x_ptr + rows_m[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
+    d = tl.load(d_ptr + rows_m[:, None] * stride_dm + ks[None, :], mask=ok, other=0.0)
+    return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _norm_rstd(
+    x_ptr, d_ptr, M, K, stride_xm, stride_xk, stride_dm, eps,
+    BLOCK_M: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """1 / sqrt(mean((x + delta)^2) + eps) per row, [BLOCK_M] float32: each program reads the
+    rows whole before its K loop (short rows: one or two steps of NORM_BLOCK_K columns)."""
+    rows_m = tl.arange(0, BLOCK_M)
+    squares = tl.zeros((BLOCK_M,), tl.float32)
+    for k in range(0, K, NORM_BLOCK_K):
+        ks = k + tl.arange(0, NORM_BLOCK_K)
+        ok = (rows_m[:, None] < M) & (ks[None, :] < K)
+        h = _residual_sum(x_ptr, d_ptr, rows_m, ks, ok, stride_xm, stride_xk, stride_dm)
+        h = h.to(tl.float32)
+        squares += tl.sum(h * h, 1)
+    return tl.rsqrt(squares / K + eps)
+
+
+@triton.jit
+def _normed(x, d_ptr, nw_ptr, h_ptr, rows_m, ks, ok, K, stride_dm, rstd, h_rows):
+    """The normalised input tile for x's tile [BLOCK_M, BLOCK_K] (NormPrologue's roundings);
+    stores x + delta for the first h_rows rows."""
+    d = tl.load(d_ptr + rows_m[:, None] * stride_dm + ks[None, :], mask=ok, other=0.0)
+    h = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+    tl.store(h_ptr + rows_m[:, None] * K + ks[None, :], h, mask=ok & (rows_m[:, None] < h_rows))
+    scale = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    normed = (h.to(tl.float32) * rstd[:, None]).to(x.dtype)
+    return (scale[None, :] * normed.to(tl.float32)).to(x.dtype)
+
+
 @triton.jit
 def skinny_mm_tile(
     x_ptr, w_ptr, rows_n, rows_ok, M, K, stride_xm, stride_xk, stride_wn, stride_wk,
+    d_ptr, nw_ptr, h_ptr, stride_dm, eps, h_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    NORM: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """x[:M] @ w[rows_n]^T as a float32 [BLOCK_M, BLOCK_N] tile, for the BLOCK_N rows of w
     `rows_n` names (rows past M, and rows of w where `rows_ok` is False, hold 0): the product
-    every kernel built on `rt::skinny_mm` shares."""
+    every kernel built on `rt::skinny_mm` shares. With NORM the input is NormPrologue's
+    (delta at d_ptr, the norm's weight at nw_ptr, the first h_rows rows of x + delta stored
+    at h_ptr: M in one program, 0 in the others);
+    without it those arguments are unused."""
     rows_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     n_ok = rows_ok[:, None]
     m_ok = rows_m[:, None] < M
     w_rows = w_ptr + rows_n[:, None] * stride_wn
+    if NORM:
+        rstd = _norm_rstd(x_ptr, d_ptr, M, K, stride_xm, stride_xk, stride_dm, eps, BLOCK_M,
+                          NORM_BLOCK_K)  # fmt: skip
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     else:
@@ -69,14 +131,15 @@ def skinny_mm_tile(
         # Without a column mask on whole blocks the loads stay 16-byte vectors.
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :] * stride_wk, mask=n_ok, other=0.0)
+            x_ok = m_ok
         else:
             k_ok = ks[None, :] < K
             w = tl.load(w_rows + ks[None, :] * stride_wk, mask=n_ok & k_ok, other=0.0)
-        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + ks[None, :] * stride_xk
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_ok, other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=m_ok & (ks[None, :] < K), other=0.0)
+            x_ok = m_ok & k_ok
+        x = tl.load(x_ptr + rows_m[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_ok,
+                    other=0.0)  # fmt: skip
+        if NORM:
+            x = _normed(x, d_ptr, nw_ptr, h_ptr, rows_m, ks, x_ok, K, stride_dm, rstd, h_rows)
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
@@ -87,49 +150,56 @@ def skinny_mm_tile(
 @triton.jit
 def _skinny_mm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
+    d_ptr, nw_ptr, h_ptr, stride_dm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    NORM: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """out[:M, n-block] = x[:M] @ w[n-block]^T, summed in float32."""
+    """out[:M, n-block] = x[:M] @ w[n-block]^T, summed in float32 (x NormPrologue's with
+    NORM)."""
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     sums = skinny_mm_tile(x_ptr, w_ptr, rows_n, rows_n < N, M, K, stride_xm, stride_xk,
-                          stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+                          stride_wn, stride_wk, d_ptr, nw_ptr, h_ptr, stride_dm, eps,
+                          tl.where(tl.program_id(0) == 0, M, 0), BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_K, NORM, NORM_BLOCK_K)  # fmt: skip
     rows_m = tl.arange(0, BLOCK_M)
     out_ptrs = out_ptr + rows_m[:, None] * stride_om + rows_n[None, :]
     ok = (rows_m[:, None] < M) & (rows_n[None, :] < N)
     tl.store(out_ptrs, sums.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def norm_prologue_args(x: torch.Tensor, norm: NormPrologue | None, *, block_m: int) -> dict:
+    """The kernels' NormPrologue arguments (unused placeholders without one)."""
+    if norm is None:
+        return dict(d_ptr=x, nw_ptr=x, h_ptr=x, stride_dm=0, eps=0.0, NORM=False, NORM_BLOCK_K=16)
+    norm_block_k = min(triton.next_power_of_2(x.shape[1]), _NORM_TILE // block_m)
+    return dict(
+        d_ptr=norm.delta, nw_ptr=norm.weight, h_ptr=norm.h, stride_dm=norm.delta.stride(0),
+        eps=norm.eps, NORM=True, NORM_BLOCK_K=norm_block_k,
+    )  # fmt: skip
+
+
 def launch_skinny_mm(
-    x: torch.Tensor, w: torch.Tensor, *, config: SkinnyMMConfig | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    config: SkinnyMMConfig | None = None,
+    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (inputs as skinny_mm.check_skinny_mm_inputs
-    allows), with `config` or the tiling `skinny_mm_config` picks."""
+    allows), with `config` or the tiling `skinny_mm_config` picks; with `norm`, the product of
+    its normalised x + delta (rms_norm_mm.py)."""
     num_rows, k = x.shape
     n = w.shape[0]
     if config is None:
         config = skinny_mm_config(num_rows, n, k)
-    block_m = config.block_m(num_rows)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, config.block_n),)
-    wrap(_skinny_mm_kernel)[grid](
-        x,
-        w,
-        out,
-        num_rows,
-        n,
-        k,
-        x.stride(0),
-        x.stride(1),
-        w.stride(0),
-        w.stride(1),
-        out.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    block_m = config.block_m(num_rows)
+    wrap(_skinny_mm_kernel)[(triton.cdiv(n, config.block_n),)](
+        x, w, out, num_rows, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        out.stride(0), **norm_prologue_args(x, norm, block_m=block_m),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
     return out
 
 

@@ -43,6 +43,11 @@ class GraphPass:
     def __call__(self, graph: fx.Graph) -> int:
         raise NotImplementedError
 
+    def options(self) -> dict[str, object]:
+        """The constructor's options, part of the manager's cache key: a pass built with
+        other options rewrites graphs differently."""
+        return {}
+
     def source_files(self) -> tuple[str, ...]:
         """Files whose content defines this pass beyond runtime/passes (all of which the
         manager hashes anyway): by default the files of its classes."""
@@ -76,7 +81,8 @@ class PassManager(CustomGraphPass):
         files = {str(path) for path in Path(__file__).parent.glob("*.py")}
         for graph_pass in self.passes:
             files.update(graph_pass.source_files())
-        hasher = hashlib.sha256(";".join(f"{p.name}@{p.version}" for p in self.passes).encode())
+        keys = [f"{p.name}@{p.version}:{sorted(p.options().items())}" for p in self.passes]
+        hasher = hashlib.sha256(";".join(keys).encode())
         # Read the files on every call (Inductor's get_hash_for_files caches by path).
         for path in sorted(files):
             hasher.update(Path(path).read_bytes())
@@ -97,14 +103,16 @@ class PassManager(CustomGraphPass):
 def default_passes() -> list[GraphPass]:
     """specrun's passes, in the order they run."""
     from .mm_silu_mul import SiluMulFusion
+    from .rms_norm_mm import NormPrologueFusion
     from .skinny_mm import SkinnyMMReplacement
     from .topk import SmallTopkReplacement
     from .tree_attention import TreeAttentionFusion
 
-    # The SiLU fusion takes the products the skinny-mm pass made.
+    # The SiLU fusion takes the products the skinny-mm pass made; the norm fusion both.
     return [
         TreeAttentionFusion(),
         SmallTopkReplacement(),
         SkinnyMMReplacement(),
         SiluMulFusion(),
+        NormPrologueFusion(),
     ]

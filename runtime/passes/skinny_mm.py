@@ -45,6 +45,9 @@ class SkinnyMMReplacement(GraphPass):
     def __init__(self, *, device_types: tuple[str, ...] = ("cuda",)) -> None:
         self.device_types = device_types
 
+    def options(self) -> dict[str, object]:
+        return {"device_types": self.device_types}
+
     def __call__(self, graph: fx.Graph) -> int:
         matches = [n for n in graph.nodes if self.matches(n)]
         for node in matches:
