@@ -112,8 +112,7 @@ def skinny_mm_tile(
     `rows_n` names (rows past M, and rows of w where `rows_ok` is False, hold 0): the product
     every kernel built on `rt::skinny_mm` shares. With NORM the input is NormPrologue's
     (delta at d_ptr, the norm's weight at nw_ptr, the first h_rows rows of x + delta stored
-    at h_ptr: M in one program, 0 in the others);
-    without it those arguments are unused."""
+    at h_ptr: M in one program, 0 in the others); without it those arguments are unused."""
     rows_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     n_ok = rows_ok[:, None]
