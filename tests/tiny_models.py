@@ -251,3 +251,10 @@ def chained_step_inputs(config, *, batch, num_tokens, dtype, device="cpu"):
     tokens = torch.randint(0, config.vocab_size, (batch, num_tokens), device=device)
     positions = cache.lengths[:, None] + torch.arange(num_tokens, device=device)
     return tokens, positions, cache.attention_inputs(anc)
+
+
+def assert_step_close(got, want, **tolerance):
+    """A compiled target forward's outputs (hidden and the new tokens' keys and values) equal
+    eager's within `tolerance` (torch.testing.assert_close's)."""
+    for name in ("hidden", "k_new", "v_new"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), **tolerance)

@@ -1,4 +1,5 @@
-"""Small, exact predicates over post-grad FX nodes, shared by the fusion passes.
+"""Small, exact predicates over post-grad FX nodes, shared by the fusion passes, and the two
+steps every rewrite takes (`in_fake_mode`, `copy_source_meta`).
 
 A post-grad graph is functional ATen: every node's `meta["val"]` is a fake tensor (or a
 tuple of them), shapes may be symbolic, and arguments come positionally or by keyword
@@ -11,6 +12,7 @@ turned into a `full([])` node. Every predicate answers "is this exactly X"; none
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from collections.abc import Sequence
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
 
@@ -124,3 +127,17 @@ def strip_cast(node: Any, dtype: torch.dtype) -> Any:
         if source is not None and source.dtype in (torch.float16, torch.bfloat16):
             return node.args[0]
     return node
+
+
+def in_fake_mode(values: Sequence[Any]) -> contextlib.AbstractContextManager:
+    """The fake mode of `values` (the graph's fake tensors), to compute a new node's
+    `meta["val"]` in; a no-op context where they carry none."""
+    return detect_fake_mode(values) or contextlib.nullcontext()
+
+
+def copy_source_meta(source: fx.Node, replacement: fx.Node) -> None:
+    """Give `replacement` the stack trace and module stack of the node it replaces (what
+    Inductor's kernel names and provenance come from)."""
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in source.meta:
+            replacement.meta[key] = source.meta[key]

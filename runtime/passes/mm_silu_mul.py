@@ -19,14 +19,22 @@ elimination drops the rest. runtime/kernels/mm_silu_mul.py says what the op comp
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 
 from ..kernels import mm_silu_mul as silu_kernel
-from .fx_match import RESHAPES, aten, getitem_of, is_call, is_dim, prims, scalar_value, tensor_val
+from .fx_match import (
+    RESHAPES,
+    aten,
+    copy_source_meta,
+    getitem_of,
+    in_fake_mode,
+    is_call,
+    is_dim,
+    prims,
+    scalar_value,
+    tensor_val,
+)
 from .manager import GraphPass
 
 
@@ -124,11 +132,9 @@ def _fuse(graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node) -> None:
         fused = graph.call_function(torch.ops.rt.mm_silu_mul.default, (x, w))
         view = graph.call_function(aten.view.default, (fused, out_shape))
     x_val, w_val = tensor_val(x), tensor_val(w)
-    with detect_fake_mode([x_val]) or contextlib.nullcontext():
+    with in_fake_mode([x_val]):
         fused.meta["val"] = silu_kernel.mm_silu_mul(x_val, w_val)
         view.meta["val"] = fused.meta["val"].view(out_shape)
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in node.meta:
-            fused.meta[key] = node.meta[key]
+    copy_source_meta(node, fused)
     node.replace_all_uses_with(view)
     graph.erase_node(node)

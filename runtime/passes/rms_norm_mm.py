@@ -27,19 +27,19 @@ tensor-core tiles of 16 rows pay more for the pre-pass than the norm's launch co
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 
 from ..kernels import rms_norm_mm as kernel
 from .fx_match import (
     RESHAPES,
     aten,
+    copy_source_meta,
     getitem_of,
+    in_fake_mode,
     is_call,
     is_last_dims,
     kwargs_of,
@@ -244,15 +244,13 @@ def _fuse(graph: fx.Graph, match: NormPrologueMatch) -> None:
         h_rows = graph.call_function(operator.getitem, (fused, 1))
         h_view = graph.call_function(aten.reshape.default, (h_rows, list(h_val.shape)))
     vals = [tensor_val(n) for n in (x, delta, match.weight, product.args[1])]
-    with detect_fake_mode(vals) or contextlib.nullcontext():
+    with in_fake_mode(vals):
         x_rows.meta["val"] = vals[0].reshape(rows)
         delta_rows.meta["val"] = vals[1].reshape(rows)
         fused.meta["val"] = run(x_rows.meta["val"], delta_rows.meta["val"], *vals[2:], match.eps)
         out.meta["val"], h_rows.meta["val"] = fused.meta["val"]
         h_view.meta["val"] = h_rows.meta["val"].reshape(h_val.shape)
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in product.meta:
-            fused.meta[key] = product.meta[key]
+    copy_source_meta(product, fused)
     product.replace_all_uses_with(out)
     graph.erase_node(product)
     # The norm's steps die with the product; erase them (consumers first) before h's other

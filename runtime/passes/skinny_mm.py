@@ -19,14 +19,11 @@ with fewer than 2**31 elements (the kernel's offsets are 32-bit).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 
 from ..kernels import skinny_mm as skinny_kernel
-from .fx_match import aten, is_call, tensor_val
+from .fx_match import aten, copy_source_meta, in_fake_mode, is_call, tensor_val
 from .manager import GraphPass
 
 
@@ -75,11 +72,9 @@ def _replace(graph: fx.Graph, node: fx.Node) -> None:
         w = graph.call_function(aten.permute.default, (w_t, [1, 0]))
         replacement = graph.call_function(torch.ops.rt.skinny_mm.default, (x, w))
     x_val, w_t_val = tensor_val(x), tensor_val(w_t)
-    with detect_fake_mode([x_val]) or contextlib.nullcontext():
+    with in_fake_mode([x_val]):
         w.meta["val"] = w_t_val.permute(1, 0)
         replacement.meta["val"] = skinny_kernel.skinny_mm(x_val, w.meta["val"])
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in node.meta:
-            replacement.meta[key] = node.meta[key]
+    copy_source_meta(node, replacement)
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)

@@ -17,15 +17,13 @@ either `sorted` allows, and orders equal values by index, one of the orders ATen
 
 from __future__ import annotations
 
-import contextlib
 import operator
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 
 from ..kernels import topk as topk_kernel
-from .fx_match import aten, is_call, is_dim, kwargs_of, tensor_val
+from .fx_match import aten, copy_source_meta, in_fake_mode, is_call, is_dim, kwargs_of, tensor_val
 from .manager import GraphPass
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -64,11 +62,9 @@ def _replace(graph: fx.Graph, node: fx.Node, x: fx.Node, k: int) -> None:
     with graph.inserting_before(node):
         replacement = graph.call_function(torch.ops.rt.topk.default, (x, k))
     value = tensor_val(x)
-    with detect_fake_mode([value]) or contextlib.nullcontext():
+    with in_fake_mode([value]):
         replacement.meta["val"] = topk_kernel.topk(value, k)
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in node.meta:
-            replacement.meta[key] = node.meta[key]
+    copy_source_meta(node, replacement)
     node.replace_all_uses_with(replacement)
     for user in replacement.users:
         assert is_call(user, operator.getitem), f"topk output used by {user.format_node()}"

@@ -25,7 +25,6 @@ power-of-two head dim); elsewhere the graph is left as is.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -33,14 +32,15 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..kernels import tree_attention as tree_attention_kernel
 from ..kernels.tree_attention_config import check_inputs
 from .fx_match import (
     aten,
+    copy_source_meta,
     getitem_of,
+    in_fake_mode,
     is_call,
     is_dim,
     is_fill,
@@ -323,11 +323,9 @@ def _fuse(graph: fx.Graph, match: TreeAttention, fixed_config: bool) -> str | No
     kwargs = {"scale": match.scale, "fixed_config": fixed_config}
     with graph.inserting_before(match.output):
         fused = graph.call_function(torch.ops.rt.tree_attention.default, match.args, kwargs)
-    with detect_fake_mode(values) or contextlib.nullcontext():
+    with in_fake_mode(values):
         fused.meta["val"] = tree_attention_kernel.tree_attention(*values, **kwargs)
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in match.output.meta:
-            fused.meta[key] = match.output.meta[key]
+    copy_source_meta(match.output, fused)
     match.output.replace_all_uses_with(fused)
     _erase_fused_attention(graph, match.output)
     return None
@@ -346,7 +344,7 @@ def _drop_output_copy(graph: fx.Graph, fused: fx.Node) -> bool:
     if copied is None or not is_call(copy, aten.clone.default):
         return False
     output = tensor_val(fused)
-    with detect_fake_mode([output]) or contextlib.nullcontext():
+    with in_fake_mode([output]):
         transposed = transpose.target(output, *transpose.args[1:], **transpose.kwargs)
     layouts = zip(
         (*transposed.shape, *transposed.stride()), (*copied.shape, *copied.stride()), strict=True

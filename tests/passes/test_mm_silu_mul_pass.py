@@ -17,15 +17,10 @@ from specrun.runtime.graphs import compile_verify
 from specrun.runtime.passes import PassManager
 from specrun.runtime.passes.mm_silu_mul import SiluMulFusion
 from specrun.runtime.passes.skinny_mm import SkinnyMMReplacement
-from tiny_models import chained_step_inputs, random_llama, tiny_config
+from tiny_models import assert_step_close, chained_step_inputs, random_llama, tiny_config
 
 # Every compile must really run: cached graphs would skip the passes.
 pytestmark = pytest.mark.usefixtures("uncached_compiles")
-
-
-def _assert_close(got, want, **tolerance):
-    for name in ("hidden", "k_new", "v_new"):
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), **tolerance)
 
 
 def _compiled_step(target, *, device_types=("cpu",)):
@@ -41,7 +36,7 @@ def test_fuses_every_layer_and_matches_eager(batch, num_tokens):
     inputs = chained_step_inputs(
         target.config, batch=batch, num_tokens=num_tokens, dtype=torch.bfloat16
     )
-    _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
+    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert manager.stats["mm_silu_mul"] == target.config.num_layers
 
 
@@ -50,7 +45,7 @@ def test_leaves_products_without_rt_skinny_mm_alone():
     target = random_llama(tiny_config(num_layers=1), dtype=torch.bfloat16)
     step, manager = _compiled_step(target, device_types=("cuda",))
     inputs = chained_step_inputs(target.config, batch=1, num_tokens=1, dtype=torch.bfloat16)
-    _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
+    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert manager.stats["mm_silu_mul"] == 0
 
 
@@ -64,5 +59,5 @@ def test_gpu_default_passes_fuse_and_match_eager(num_tokens):
     inputs = chained_step_inputs(
         target.config, batch=1, num_tokens=num_tokens, dtype=torch.bfloat16, device="cuda"
     )
-    _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
+    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert step.manager.stats["mm_silu_mul"] == target.config.num_layers

@@ -22,15 +22,10 @@ from specrun.runtime.passes import PassManager
 from specrun.runtime.passes.mm_silu_mul import SiluMulFusion
 from specrun.runtime.passes.rms_norm_mm import NormPrologueFusion
 from specrun.runtime.passes.skinny_mm import SkinnyMMReplacement
-from tiny_models import chained_step_inputs, random_llama, tiny_config
+from tiny_models import assert_step_close, chained_step_inputs, random_llama, tiny_config
 
 # Every compile must really run: cached graphs would skip the passes.
 pytestmark = pytest.mark.usefixtures("uncached_compiles")
-
-
-def _assert_close(got, want, **tolerance):
-    for name in ("hidden", "k_new", "v_new"):
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), **tolerance)
 
 
 def _compiled_step(target, *, silu_mul=True, device_types=("cpu",), max_rows=16):
@@ -50,7 +45,7 @@ def test_fuses_every_norm_but_the_first_and_last_and_matches_eager(batch, num_to
     inputs = chained_step_inputs(
         target.config, batch=batch, num_tokens=num_tokens, dtype=torch.bfloat16
     )
-    _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
+    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert manager.stats["rms_norm_mm"] == 2 * target.config.num_layers - 1
 
 
@@ -59,7 +54,7 @@ def test_leaves_products_without_rt_skinny_mm_alone():
     target = random_llama(tiny_config(num_layers=1), dtype=torch.bfloat16)
     step, manager = _compiled_step(target, device_types=("cuda",))
     inputs = chained_step_inputs(target.config, batch=1, num_tokens=1, dtype=torch.bfloat16)
-    _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
+    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert manager.stats["rms_norm_mm"] == 0
 
 
@@ -143,6 +138,6 @@ def test_gpu_default_passes_fuse_one_row_and_match_eager(num_tokens):
     inputs = chained_step_inputs(
         target.config, batch=1, num_tokens=num_tokens, dtype=torch.bfloat16, device="cuda"
     )
-    _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
+    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     num_fused = 2 * target.config.num_layers - 1 if num_tokens == 1 else 0
     assert step.manager.stats["rms_norm_mm"] == num_fused

@@ -15,7 +15,7 @@ import torch
 from specrun.runtime.graphs import compile_verify
 from specrun.runtime.passes import PassManager
 from specrun.runtime.passes.skinny_mm import SkinnyMMReplacement
-from tiny_models import chained_step_inputs, random_llama, tiny_config
+from tiny_models import assert_step_close, chained_step_inputs, random_llama, tiny_config
 
 # Every compile must really run: cached graphs would skip the passes.
 pytestmark = pytest.mark.usefixtures("uncached_compiles")
@@ -28,11 +28,6 @@ def _compiled_step(target, *, device_types=("cpu",)):
     return compile_verify(target, manager=manager), manager
 
 
-def _assert_close(got, want, **tolerance):
-    for name in ("hidden", "k_new", "v_new"):
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), **tolerance)
-
-
 @pytest.mark.parametrize(("batch", "num_tokens"), [(1, 1), (3, 1), (2, 8), (1, 40)])
 def test_replaces_every_projection_of_a_few_row_step(batch, num_tokens):
     torch.manual_seed(0)
@@ -41,7 +36,7 @@ def test_replaces_every_projection_of_a_few_row_step(batch, num_tokens):
     inputs = chained_step_inputs(
         target.config, batch=batch, num_tokens=num_tokens, dtype=torch.bfloat16
     )
-    _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
+    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert manager.stats["skinny_mm"] == PROJECTIONS_PER_LAYER * target.config.num_layers
 
 
@@ -58,7 +53,7 @@ def test_leaves_other_products_alone(dtype, batch, num_tokens, device_types):
     target = random_llama(tiny_config(num_layers=1), dtype=dtype)
     step, manager = _compiled_step(target, device_types=device_types)
     inputs = chained_step_inputs(target.config, batch=batch, num_tokens=num_tokens, dtype=dtype)
-    _assert_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
+    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert manager.stats["skinny_mm"] == 0
 
 
@@ -73,5 +68,5 @@ def test_gpu_bf16_decode_step_replaces_and_matches_eager(batch):
     inputs = chained_step_inputs(
         target.config, batch=batch, num_tokens=1, dtype=torch.bfloat16, device="cuda"
     )
-    _assert_close(step(*inputs), target(*inputs), atol=3e-2, rtol=3e-2)
+    assert_step_close(step(*inputs), target(*inputs), atol=3e-2, rtol=3e-2)
     assert manager.stats["skinny_mm"] == PROJECTIONS_PER_LAYER * target.config.num_layers

@@ -27,7 +27,7 @@ from specrun.runtime.graphs import compile_draft, compile_prefill, compile_step,
 from specrun.runtime.kv_cache import KVCache
 from specrun.runtime.passes import GraphPass, PassManager
 from specrun.runtime.passes.tree_attention import TreeAttentionFusion
-from tiny_models import random_head, random_llama, tiny_config
+from tiny_models import assert_step_close, random_head, random_llama, tiny_config
 
 # Every compile must really run: cached graphs would skip the passes.
 pytestmark = pytest.mark.usefixtures("uncached_compiles")
@@ -89,11 +89,6 @@ def _cache(config, *, lengths, capacity=16, num_layers=None, dtype=torch.float32
     return cache
 
 
-def _assert_close(got, want, **tolerance):
-    for name in ("hidden", "k_new", "v_new"):
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), **tolerance)
-
-
 def _verify_inputs(config, *, dtype=torch.float32, device="cpu"):
     cache = _cache(config, lengths=[5, 9], dtype=dtype, device=device)
     depth = torch.tensor([0, 1, 1, 2, 2, 3], device=device)
@@ -108,7 +103,7 @@ def test_fuses_every_target_layer_of_a_tree_verify():
     manager, census = _manager()
     step = compile_verify(target, manager=manager)
     inputs = _verify_inputs(target.config)
-    _assert_close(step(*inputs), target(*inputs), atol=1e-5, rtol=1e-5)
+    assert_step_close(step(*inputs), target(*inputs), atol=1e-5, rtol=1e-5)
     assert manager.stats["tree_attention"] == target.config.num_layers
     assert manager.passes[0].num_fused_by_form == {"flash_attention_for_cpu": 2}
     _assert_mask_gone(census)
@@ -125,7 +120,7 @@ def test_fuses_the_math_lowering():
     with sdpa_kernel([SDPBackend.MATH]):
         got = step(*inputs)
         want = target(*inputs)
-    _assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert_step_close(got, want, atol=3e-2, rtol=3e-2)
     assert manager.passes[0].num_fused_by_form == {"math": 1}
     _assert_mask_gone(census)
     _assert_output_copies_dropped(manager, 1)
@@ -141,7 +136,7 @@ def test_fuses_a_dynamic_length_chain_prefill_without_recompiling():
         positions = cache.lengths[:, None] + torch.arange(length)
         attn = cache.attention_inputs(chain_ancestors(2, length, "cpu"))
         got, want = step(tokens, positions, attn), target(tokens, positions, attn)
-        _assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_step_close(got, want, atol=1e-5, rtol=1e-5)
     assert step.num_compiles == 1
     assert step.manager.stats["tree_attention"] == target.config.num_layers
     # Dynamic shapes: one launch config, so one kernel variant serves every length.
@@ -341,7 +336,7 @@ def test_gpu_bf16_verify_fuses_and_matches_eager(num_kv_heads):
     assert manager.stats["tree_attention"] == config.num_layers, (forms, ops)
     _assert_mask_gone(census)
     _assert_output_copies_dropped(manager, config.num_layers)
-    _assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert_step_close(got, want, atol=3e-2, rtol=3e-2)
 
 
 def test_recognises_the_online_softmax_form():
