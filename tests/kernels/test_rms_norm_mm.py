@@ -204,8 +204,10 @@ def _interpret_main() -> int:
     from specrun.runtime.kernels.mm_silu_mul_triton import launch_mm_silu_mul
 
     failures = 0
+    default_tile = skinny_mm_triton._NORM_TILE
     for i, (num_rows, n, depth, silu_mul, norm_block_k) in enumerate(INTERPRET_CASES):
         x, delta, weight, w = make_operands(num_rows, 2 * n, depth, dtype=torch.float16, seed=i)
+        skinny_mm_triton._NORM_TILE = default_tile
         if norm_block_k is not None:
             skinny_mm_triton._NORM_TILE = norm_block_k * skinny_mm_triton.dot_rows(num_rows)
         h = torch.empty_like(x)
@@ -220,7 +222,6 @@ def _interpret_main() -> int:
             x, delta, weight, w, EPS
         )[0]
         ok = ok and torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-        skinny_mm_triton._NORM_TILE = 16384
         failures += not ok
         print(f"case {i}: {num_rows} rows, N {n}, depth {depth} {'ok' if ok else 'FAIL'}")
     return 1 if failures else 0
