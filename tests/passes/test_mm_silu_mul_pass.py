@@ -3,8 +3,8 @@ one `rt::mm_silu_mul`.
 
 It fires once per layer of a few-row target forward (the step, a verification) and the
 compiled forward equals eager (to bf16 rounding); it leaves alone products the skinny-mm pass
-did not make. The CPU tests build the skinny-mm pass for "cpu" (the ops run their references
-there); the GPU tier runs the default passes on a bf16 step, where the op launches its Triton
+did not make. The tests build the skinny-mm pass for "cpu" (the ops run their references
+there); `test_default_passes.py` runs the fusion on the GPU, where the op launches its Triton
 kernel.
 """
 
@@ -47,17 +47,3 @@ def test_leaves_products_without_rt_skinny_mm_alone():
     inputs = chained_step_inputs(target.config, batch=1, num_tokens=1, dtype=torch.bfloat16)
     assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
     assert manager.stats["mm_silu_mul"] == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_tokens", [1, 8])
-def test_gpu_default_passes_fuse_and_match_eager(num_tokens):
-    torch.manual_seed(0)
-    target = random_llama(tiny_config(), dtype=torch.bfloat16).cuda()
-    step = compile_verify(target)
-    inputs = chained_step_inputs(
-        target.config, batch=1, num_tokens=num_tokens, dtype=torch.bfloat16, device="cuda"
-    )
-    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
-    assert step.manager.stats["mm_silu_mul"] == target.config.num_layers

@@ -4,9 +4,9 @@ norm become one `rt::add_rms_norm_mm` (or `..._silu_mul`).
 It fires twice per layer of a few-row target forward but once in the first layer (whose input
 norm reads the embedding, not a sum), the compiled forward equals eager (to bf16 rounding),
 it fuses the `_fused_rms_norm` form of the graph as well as the decomposed one, and only
-products of at most `max_rows` rows (one by default). The CPU
-tests build the skinny-mm pass for "cpu" (the ops run their references there); the GPU tier
-runs the default passes on a bf16 step, where the ops launch their Triton kernels.
+products of at most `max_rows` rows (one by default). The tests build the
+skinny-mm pass for "cpu" (the ops run their references there); `test_default_passes.py` runs
+the fusion on the GPU, where the ops launch their Triton kernels.
 """
 
 from __future__ import annotations
@@ -126,18 +126,3 @@ def test_rejects_bad_max_rows(max_rows, error):
 def test_max_rows_is_part_of_the_cache_key():
     keys = {PassManager([NormPrologueFusion(max_rows=n)]).uuid() for n in (1, 1, 16)}
     assert len(keys) == 2
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_tokens", [1, 8])
-def test_gpu_default_passes_fuse_one_row_and_match_eager(num_tokens):
-    torch.manual_seed(0)
-    target = random_llama(tiny_config(), dtype=torch.bfloat16).cuda()
-    step = compile_verify(target)
-    inputs = chained_step_inputs(
-        target.config, batch=1, num_tokens=num_tokens, dtype=torch.bfloat16, device="cuda"
-    )
-    assert_step_close(step(*inputs), target(*inputs), atol=2e-2, rtol=2e-2)
-    num_fused = 2 * target.config.num_layers - 1 if num_tokens == 1 else 0
-    assert step.manager.stats["rms_norm_mm"] == num_fused
