@@ -29,7 +29,12 @@ from ..runtime.distill.data import (
     save_sequences,
 )
 from ..runtime.distill.self_instruct import self_instruct_records
-from ..runtime.distill.trainer import TrainConfig, checkpoint_sequences_path, train_draft
+from ..runtime.distill.trainer import (
+    TrainConfig,
+    checkpoint_heldout_path,
+    checkpoint_sequences_path,
+    train_draft,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +102,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint-interval", type=int, default=200)
     parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--heldout", type=int, default=8, help="held-out sequences")
+    parser.add_argument(
+        "--heldout-sequences", nargs="+", default=None, metavar="FILE",
+        help="measure the held-out agreement on the first --heldout sequences of these files "
+        "(written by an earlier run) instead of the last training sequences: the same set "
+        "makes runs comparable, and a fine-tune (--init-from) is measured before it starts",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     parser.add_argument(
@@ -151,12 +162,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--sequences replaces --prompts and --resume; give only one of them")
     if args.generate_only and not args.prompts:
         raise ValueError("--generate-only generates from --prompts; give them")
+    if args.heldout_sequences and args.resume:
+        raise ValueError("--resume measures the held-out set of the run it continues; "
+                         "leave out --heldout-sequences")  # fmt: skip
     config = train_config(args)
     model_dir = args.model or default_model_dir()
     engine_config = EngineConfig(device=args.device, dtype=args.dtype)
     target = load_target(
         model_dir, dtype=engine_config.resolved_dtype(), device=engine_config.resolved_device()
     )
+    heldout = _heldout_sequences(args)
     if args.resume:
         sequences = load_sequences(checkpoint_sequences_path(args.out))
     elif args.sequences:
@@ -183,15 +198,25 @@ def run(args: argparse.Namespace) -> int:
         save_dtype=SAVE_DTYPES[args.save_dtype],
         max_shard_bytes=int(args.max_shard_mib * 2**20),
         init_from=args.init_from,
+        heldout=heldout,
     )
     if result.losses:
         print(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
-    if result.heldout:
-        step, agreement = result.heldout[-1]
+    reported = [e for e in result.heldout[:-1] if e[0] == 0] + result.heldout[-1:]
+    for step, agreement in reported:
         rates = " ".join(f"{a:.3f}" for a in agreement)
         print(f"held-out top-1 agreement per draft step at step {step}: {rates}")
     print(f"wrote the {args.kind} head to {args.out}")
     return 0
+
+
+def _heldout_sequences(args: argparse.Namespace) -> list | None:
+    """The run's own held-out set: --heldout-sequences, or the one a resumed run kept; None
+    to hold out the last training sequences."""
+    if args.heldout_sequences:
+        return [seq for path in args.heldout_sequences for seq in load_sequences(path)]
+    kept = checkpoint_heldout_path(args.out)
+    return load_sequences(kept) if args.resume and kept.is_file() else None
 
 
 def response_temperatures(args: argparse.Namespace) -> list[float]:

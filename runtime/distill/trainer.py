@@ -4,7 +4,8 @@ Each step samples a batch of self-distilled sequences (data.py), runs the frozen
 over it (hidden states, taps, logits), unrolls the head for `num_ttt_steps` training-time-test
 steps through its normal forward and takes one AdamW step on the head's own parameters
 (losses.py). The target's embedding / lm_head that heads borrow stay frozen. A checkpoint
-(head state + optimizer + step, and the training sequences) lands in `out/checkpoint` every
+(head state + optimizer + step, and the training and held-out sequences) lands in
+`out/checkpoint` every
 `checkpoint_interval` steps; batches are a pure function of (seed, step), so a resumed run
 continues exactly where the saved one stood. The finished head is written to `out` with
 `save_draft` (published layout), loadable by `Engine.from_pretrained(model, draft=out)`.
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "state.pt"
 SEQUENCES_FILE = "sequences.jsonl"
+HELDOUT_FILE = "heldout.jsonl"
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class TrainConfig:
         min(32000, target vocab) for a fresh head, the loaded head's own with `init_from`).
     num_warmup_steps: linear learning-rate warm-up, then cosine decay to 10% over num_steps.
     checkpoint_interval / eval_interval: steps between checkpoints / held-out estimates.
-    num_heldout: sequences kept out of training for the acceptance estimate.
+    num_heldout: sequences kept out of training for the acceptance estimate (the last of the
+        training data, or the first of a held-out set given to `train_draft`).
     max_length: sequences are truncated to this many tokens.
     """
 
@@ -100,7 +103,8 @@ class TrainConfig:
 @dataclass
 class TrainResult:
     """The trained head (float32, train mode off), losses per step run, and the held-out
-    top-1 agreement per unroll step at each evaluation as (step, [agreement per step])."""
+    top-1 agreement per unroll step at each evaluation as (step, [agreement per step]); step
+    0 is a fine-tuned head before training."""
 
     head: DraftHead
     losses: list[float] = field(default_factory=list)
@@ -269,10 +273,15 @@ def expected_accepted_length(agreement: Sequence[float]) -> float:
 
 
 def split_heldout(
-    sequences: Sequence[TrainingSequence], *, config: TrainConfig
+    sequences: Sequence[TrainingSequence],
+    *,
+    config: TrainConfig,
+    heldout: Sequence[TrainingSequence] | None = None,
 ) -> tuple[list[TrainingSequence], list[TrainingSequence]]:
-    """(training, held-out): the last num_heldout sequences are held out, keeping at least
-    one for training."""
+    """(training, held-out): the first num_heldout of `heldout` when given (every sequence
+    trains), else the last num_heldout sequences, keeping at least one for training."""
+    if heldout is not None:
+        return list(sequences), list(heldout[: config.num_heldout])
     num_heldout = min(config.num_heldout, len(sequences) - 1)
     if num_heldout <= 0:
         return list(sequences), []
@@ -342,6 +351,11 @@ def checkpoint_sequences_path(out_dir: str | Path) -> Path:
     return Path(out_dir) / CHECKPOINT_DIR / SEQUENCES_FILE
 
 
+def checkpoint_heldout_path(out_dir: str | Path) -> Path:
+    """Where a run given a held-out set keeps it (a resumed run measures the same one)."""
+    return Path(out_dir) / CHECKPOINT_DIR / HELDOUT_FILE
+
+
 def train_draft(
     target: Llama,
     sequences: Sequence[TrainingSequence],
@@ -355,6 +369,7 @@ def train_draft(
     save_dtype: torch.dtype | None = None,
     max_shard_bytes: int | None = None,
     init_from: str | Path | None = None,
+    heldout: Sequence[TrainingSequence] | None = None,
 ) -> TrainResult:
     """Train a head of `config.kind` on `sequences` with `target` frozen; write it to out_dir.
 
@@ -371,12 +386,17 @@ def train_draft(
     continued with `resume`; the head written to out_dir is then the one trained so far.
     `save_dtype` and `max_shard_bytes` shape that written head (see `save_draft`); training
     and checkpoints stay in float32.
+
+    `heldout`: sequences to measure the held-out agreement on (the first `num_heldout`)
+    instead of the last of `sequences`, which then all train: the same set across runs makes
+    their agreements comparable. A fine-tune (`init_from`) is also measured before its first
+    step, the figure it has to beat.
     """
     out_dir = Path(out_dir)
     if init_from is not None and resume:
         raise ValueError("resume continues from out_dir's checkpoint; do not also give init_from")
     target.requires_grad_(False)
-    train_set, heldout = split_heldout(sequences, config=config)
+    train_set, heldout_set = split_heldout(sequences, config=config, heldout=heldout)
     if init_from is None:
         head = build_head(target, config, train_set)
     else:
@@ -385,7 +405,11 @@ def train_draft(
     start = load_checkpoint(out_dir, head, optimizer) if resume else 0
     if not resume:
         save_sequences(sequences, checkpoint_sequences_path(out_dir))
+        if heldout is not None:
+            save_sequences(heldout_set, checkpoint_heldout_path(out_dir))
     result = TrainResult(head)
+    if heldout_set and init_from is not None:
+        _evaluate(head, target, heldout_set, 0, result, config=config)
     bar = tqdm(range(start, config.num_steps), initial=start, total=config.num_steps,
                disable=not progress, desc=f"train {config.kind}")  # fmt: skip
     head.train()
@@ -394,8 +418,9 @@ def train_draft(
         loss = train_step(head, target, optimizer, train_set, step, config=config)
         result.losses.append(loss)
         postfix = {"loss": f"{loss:.4f}"}
-        if heldout and ((step + 1) % config.eval_interval == 0 or step + 1 == config.num_steps):
-            postfix |= _evaluate(head, target, heldout, step + 1, result, config=config)
+        evaluating = (step + 1) % config.eval_interval == 0 or step + 1 == config.num_steps
+        if heldout_set and evaluating:
+            postfix |= _evaluate(head, target, heldout_set, step + 1, result, config=config)
         bar.set_postfix(postfix)
         out_of_time = max_seconds is not None and time.monotonic() - started > max_seconds
         stopping = out_of_time or step + 1 == stop_at

@@ -18,12 +18,14 @@ from specrun.runtime.distill.data import (
     TrainingSequence,
     draft_vocab,
     generate_sequences,
+    load_sequences,
     make_batch,
     token_frequencies,
 )
 from specrun.runtime.distill.losses import first_features, run_target, unroll
 from specrun.runtime.distill.trainer import (
     TrainConfig,
+    heldout_agreement,
     initial_head,
     split_heldout,
     train_draft,
@@ -271,6 +273,29 @@ def test_a_head_fine_tuned_from_a_trained_one_starts_where_it_ended(target, sequ
     assert set(before) == set(after)
     for name, tensor in after.items():
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_given_heldout_set_is_measured_before_and_after_a_fine_tune(target, sequences, tmp_path):
+    """With `heldout`, every sequence trains and the agreement is over that set; a fine-tune
+    measures its starting head first, which is the figure the run that wrote it ended on."""
+    heldout, train_set = sequences[:6], sequences[6:]
+    config = TrainConfig(num_steps=4, batch_size=8, lr=3e-3, num_ttt_steps=3, num_heldout=6,
+                         eval_interval=2)  # fmt: skip
+    first = train_draft(target, train_set, config=config, out_dir=tmp_path / "first",
+                        progress=False, save_dtype=torch.float32, heldout=heldout)  # fmt: skip
+    assert [step for step, _ in first.heldout] == [2, 4]
+    assert split_heldout(train_set, config=config, heldout=heldout) == (train_set, heldout)
+    tuned = train_draft(target, train_set, config=config, out_dir=tmp_path / "tuned",
+                        progress=False, init_from=tmp_path / "first", heldout=heldout)  # fmt: skip
+    assert [step for step, _ in tuned.heldout] == [0, 2, 4]
+    assert tuned.heldout[0][1] == first.heldout[-1][1]
+    kept = load_sequences(tmp_path / "tuned" / "checkpoint" / "heldout.jsonl")
+    assert kept == heldout
+    other = train_draft(target, train_set, config=config, out_dir=tmp_path / "other",
+                        progress=False, init_from=tmp_path / "first")  # fmt: skip
+    assert [step for step, _ in other.heldout] == [0, 2, 4]
+    last_six = heldout_agreement(first.head, target, train_set[-6:], config=config)
+    assert other.heldout[0][1] == last_six
 
 
 def test_fine_tuning_refuses_another_kind_and_resume(target, sequences, tmp_path):

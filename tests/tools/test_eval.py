@@ -218,6 +218,38 @@ def test_train_draft_generates_only_then_trains_on_what_it_wrote(model_dir, prom
     assert main([*argv, "--out", str(data), "--sequences", str(head), "--generate-only"]) == 2
 
 
+def test_train_draft_measures_a_given_heldout_set_and_keeps_it_on_resume(
+    model_dir, prompts_file, tmp_path, capsys
+):
+    data, head, tuned = tmp_path / "data", tmp_path / "head", tmp_path / "tuned"
+    argv = ["train-draft", "--model", str(model_dir), "--max-new-tokens", "8"]
+    argv += ["--device", "cpu", "--dtype", "float32"]
+    assert main([*argv, "--out", str(data), "--prompts", str(prompts_file), "--generate-only"]) == 0
+    written = str(data / "sequences.jsonl.gz")
+    argv += ["--batch-size", "2", "--ttt-steps", "2", "--draft-vocab", "40", "--heldout", "2"]
+    train = ["--sequences", written, "--heldout-sequences", written]
+    assert main([*argv, *train, "--steps", "4", "--stop-at", "2", "--out", str(head)]) == 0
+    kept = load_sequences(head / "checkpoint" / "heldout.jsonl")
+    assert kept == load_sequences(written)[:2]
+    capsys.readouterr()
+    assert main([*argv, *train, "--steps", "2", "--out", str(tuned), "--init-from", str(head)]) == 0
+    printed = capsys.readouterr().out
+    assert "agreement per draft step at step 0:" in printed
+    assert "agreement per draft step at step 2:" in printed
+    resume = [*argv, "--out", str(head), "--steps", "4", "--resume"]
+    assert main([*resume, "--heldout-sequences", written]) == 2
+    capsys.readouterr()
+    assert main(resume) == 0
+    resumed = capsys.readouterr().out.splitlines()[-2]
+    # The resumed run trains on every sequence and measures the kept set, as a whole run does.
+    assert main([*argv, *train, "--steps", "4", "--out", str(tmp_path / "whole")]) == 0
+    assert capsys.readouterr().out.splitlines()[-2] == resumed
+    heads = [torch.load(out / "checkpoint" / "state.pt", weights_only=True)["head"]
+             for out in (head, tmp_path / "whole")]  # fmt: skip
+    for name, tensor in heads[0].items():
+        assert torch.equal(tensor, heads[1][name]), name
+
+
 def test_bench_cold_start_reports_a_fresh_process(model_dir, tmp_path, capsys):
     # One jit point of a tiny model on the CPU: the fields BENCHMARKS.md's table is made of.
     out = tmp_path / "cold.jsonl"
