@@ -6,8 +6,9 @@ steps through its normal forward and takes one AdamW step on the head's own para
 (losses.py). The target's embedding / lm_head that heads borrow stay frozen. A checkpoint
 (head state + optimizer + step, and the training and held-out sequences) lands in
 `out/checkpoint` every `checkpoint_interval` steps; batches are a pure function of (seed,
-step), so a resumed run continues exactly where the saved one stood. The finished head is written to `out` with
-`save_draft` (published layout), loadable by `Engine.from_pretrained(model, draft=out)`.
+step), so a resumed run continues exactly where the saved one stood. The finished head is
+written to `out` with `save_draft` (published layout), loadable by
+`Engine.from_pretrained(model, draft=out)`.
 """
 
 from __future__ import annotations
