@@ -14,6 +14,7 @@ Prompts are JSON lines {"prompt": text} or {"prompt_ids": [ids]}, or a built-in 
 ("builtin:broad", ...). When prompts carry a "category", each point also holds the mean
 accepted length of each category, pooled over its requests' rounds like the overall one, and
 a second table gives them per point; prompts without a category count only in the totals.
+With `--sequences` it measures the head on finished text instead (tools/eval_agreement.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..runtime.distill.data import read_prompt_records
 from ..runtime.engine import Engine
 from ..runtime.stats import EngineStats, RequestStats
 from ..runtime.tree import StaticTree, TreeShape
+from .eval_agreement import run_agreement
 from .eval_plot import check_plotting, plot_records, tree_label
 from .generate import add_compile_argument, add_tree_arguments, compile_choice, tree_shape
 
@@ -47,12 +49,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("eval", help="acceptance and speed-up of a draft head")
     parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
     parser.add_argument("--draft", required=True, help="draft-head directory")
-    parser.add_argument(
-        "--prompts", required=True,
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--prompts",
         help='JSONL of {"prompt": ...} lines (optionally "category"), or builtin:broad, '
         "builtin:heldout, ...",
     )  # fmt: skip
-    parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
+    source.add_argument(
+        "--sequences", nargs="+", metavar="FILE",
+        help="instead of decoding prompts: the head's top-1 agreement per draft step on these "
+        "finished sequences (train-draft writes them), teacher-forced; a fixed set orders "
+        "heads without decoding's noise (tools/eval_agreement.py)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-prompts", type=int, default=None, help="use the first N prompts (or sequences)"
+    )
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1],
@@ -127,6 +138,8 @@ def parse_tree_shape(text: str) -> TreeShape:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sequences:
+        return run_agreement(args)
     shapes = _tree_shapes(args)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")

@@ -11,9 +11,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from specrun.models.loading import save_draft, save_target
+from specrun.models.loading import load_draft, load_target, save_draft, save_target
 from specrun.runtime.config import DEFAULT_TREES, EngineConfig, SamplingParams
-from specrun.runtime.distill.data import load_sequences
+from specrun.runtime.distill.data import generate_sequences, load_sequences, save_sequences
+from specrun.runtime.distill.trainer import (
+    TrainConfig,
+    expected_accepted_length,
+    heldout_agreement,
+    train_draft,
+)
 from specrun.runtime.engine import Engine
 from specrun.runtime.stats import RequestStats
 from specrun.runtime.tree import TreeShape
@@ -248,6 +254,35 @@ def test_train_draft_measures_a_given_heldout_set_and_keeps_it_on_resume(
              for out in (head, tmp_path / "whole")]  # fmt: skip
     for name, tensor in heads[0].items():
         assert torch.equal(tensor, heads[1][name]), name
+
+
+def test_eval_measures_a_head_on_fixed_sequences(model_dir, tmp_path, capsys):
+    """`eval --sequences`: the head's teacher-forced agreement on the first --max-prompts
+    sequences, as training's held-out estimate computes it, and the chain length it implies."""
+    target = load_target(model_dir, dtype=torch.float32, device="cpu")
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(VOCAB, (3 + i % 4,), generator=generator).tolist() for i in range(40)]
+    sequences = generate_sequences(target, prompts, max_new_tokens=16, temperature=0.0)
+    # A head trained a little, so that its agreement is far from zero.
+    head_dir = tmp_path / "head"
+    config = TrainConfig(num_steps=30, lr=3e-3, num_ttt_steps=3, num_heldout=0, draft_vocab_size=48)
+    train_draft(target, sequences, config=config, out_dir=head_dir, progress=False)
+    path = tmp_path / "fixed.jsonl.gz"
+    save_sequences(sequences, path)
+    json_path = tmp_path / "agreement.jsonl"
+    argv = ["eval", "--model", str(model_dir), "--draft", str(head_dir), "--sequences", str(path)]
+    argv += ["--max-prompts", "9", "--json", str(json_path), "--device", "cpu"]
+    assert main([*argv, "--dtype", "float32"]) == 0
+    (record,) = [json.loads(line) for line in json_path.read_text().splitlines()]
+    head = load_draft(head_dir, target=target).float()
+    config = TrainConfig(batch_size=8, max_length=512, num_ttt_steps=7)
+    expected = heldout_agreement(head, target, sequences[:9], config=config)
+    assert record["num_sequences"] == 9 and record["agreement"] == expected
+    assert record["chain_length"] == pytest.approx(expected_accepted_length(expected))
+    assert record["agreement"][0] > 0.3
+    assert f"{record['chain_length']:.3f}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # --prompts or --sequences, not both
+        main([*argv, "--prompts", "builtin:broad"])
 
 
 def test_bench_cold_start_reports_a_fresh_process(model_dir, tmp_path, capsys):
