@@ -18,7 +18,7 @@ import json
 from ..models.default import default_model_dir
 from ..models.loading import load_draft, load_target
 from ..runtime.config import EngineConfig
-from ..runtime.distill.data import load_sequences
+from ..runtime.distill.data import load_sequence_files
 from ..runtime.distill.trainer import TrainConfig, expected_accepted_length, heldout_agreement
 
 DRAFT_STEPS = 7
@@ -29,8 +29,7 @@ MAX_LENGTH = 512
 def run_agreement(args: argparse.Namespace) -> int:
     """Measure `args.draft` on `args.sequences` (the first `args.max_prompts`); print the
     per-step agreement and chain length, and write them as one JSON line to `args.json`."""
-    sequences = [seq for path in args.sequences for seq in load_sequences(path)]
-    sequences = sequences[: args.max_prompts]
+    sequences = load_sequence_files(args.sequences)[: args.max_prompts]
     if not sequences:
         raise ValueError(f"no sequences in {args.sequences}; give files train-draft wrote")
     engine_config = EngineConfig(device=args.device, dtype=args.dtype)

@@ -24,6 +24,7 @@ from ..runtime.config import EngineConfig
 from ..runtime.distill.broad_prompts import CATEGORIES
 from ..runtime.distill.data import (
     generate_record_sequences,
+    load_sequence_files,
     load_sequences,
     read_prompt_records,
     save_sequences,
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         sequences = load_sequences(checkpoint_sequences_path(args.out))
     elif args.sequences:
-        sequences = [seq for path in args.sequences for seq in load_sequences(path)]
+        sequences = load_sequence_files(args.sequences)
     else:
         sequences = _self_distilled(args, target, model_dir)
     num_tokens = sum(len(s.token_ids) - s.num_prompt for s in sequences)
@@ -214,7 +215,7 @@ def _heldout_sequences(args: argparse.Namespace) -> list | None:
     """The run's own held-out set: --heldout-sequences, or the one a resumed run kept; None
     to hold out the last training sequences."""
     if args.heldout_sequences:
-        return [seq for path in args.heldout_sequences for seq in load_sequences(path)]
+        return load_sequence_files(args.heldout_sequences)
     kept = checkpoint_heldout_path(args.out)
     return load_sequences(kept) if args.resume and kept.is_file() else None
 

@@ -268,6 +268,11 @@ def load_sequences(path: str | Path) -> list[TrainingSequence]:
     return [TrainingSequence(tuple(r["token_ids"]), int(r["num_prompt"])) for r in records]
 
 
+def load_sequence_files(paths: Sequence[str | Path]) -> list[TrainingSequence]:
+    """The sequences of several `save_sequences` files, in the order given."""
+    return [seq for path in paths for seq in load_sequences(path)]
+
+
 def _open_text(path: Path, mode: str):
     """A UTF-8 text file, gzipped when its name ends in `.gz`."""
     opener = gzip.open if path.suffix == ".gz" else open
