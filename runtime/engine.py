@@ -60,6 +60,22 @@ logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
 
+def load_models(
+    model_dir: str | Path, draft: str | Path | None, config: EngineConfig
+) -> tuple[Llama, DraftHead | None]:
+    """The target and its head (None without `draft`) on `config`'s device and dtype, as
+    every single-process engine loads them, so that whatever else builds a decoder for one
+    (AOT artifacts, cold-start points) holds the same weights: eager CPU engines get
+    oneDNN-packed linear weights."""
+    device, dtype = config.resolved_device(), config.resolved_dtype()
+    target = load_target(model_dir, dtype=dtype, device=device)
+    head = load_draft(draft, target=target) if draft is not None else None
+    if packs_linears(device, dtype) and not config.resolved_compile():
+        num_packed = pack_target_and_head(target, head)
+        logger.info("packed %d linear weights for oneDNN", num_packed)
+    return target, head
+
+
 class Engine:
     """Text in, text out. Build with `Engine.from_pretrained`; close with `close()` (or use
     it as a context manager).
@@ -166,13 +182,8 @@ class Engine:
     ) -> Engine:
         """from_pretrained's work on one process: the model, the head, the Engine, and the
         artifacts' steps and cost profile when given."""
-        device, dtype = config.resolved_device(), config.resolved_dtype()
         started = time.perf_counter()
-        model = load_target(model_dir, dtype=dtype, device=device)
-        head = load_draft(draft, target=model) if draft is not None else None
-        if packs_linears(device, dtype) and not config.resolved_compile():
-            num_packed = pack_target_and_head(model, head)
-            logger.info("packed %d linear weights for oneDNN", num_packed)
+        model, head = load_models(model_dir, draft, config)
         logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - started)
         tokenizer, acceptance = Tokenizer.from_dir(model_dir), head_acceptance(draft)
         engine = cls(model, tokenizer, config, head=head, acceptance=acceptance)

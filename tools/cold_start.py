@@ -265,11 +265,10 @@ def _models(spec: dict, config):
         )  # fmt: skip
         return target, head, "Llama-3.1-8B shapes, random weights"
     from ..models.default import default_model_dir
-    from ..models.loading import load_draft, load_target
+    from ..runtime.engine import load_models
 
     model_dir = spec["model"] or default_model_dir()
-    target = load_target(model_dir, dtype=config.resolved_dtype(), device=config.resolved_device())
-    head = load_draft(spec["draft"], target=target) if spec["draft"] else None
+    target, head = load_models(model_dir, spec["draft"] or None, config)
     return target, head, str(model_dir)
 
 

@@ -35,10 +35,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..models.default import default_model_dir
-from ..models.loading import load_draft, load_target
 from ..runtime import aot, cost_profile
 from ..runtime.config import DEFAULT_BUCKETS, EngineConfig, default_trees, stochastic_trees
 from ..runtime.decoder import Decoder
+from ..runtime.engine import load_models
 from ..runtime.graphs import artifacts
 from ..runtime.tree import StaticTree, TreeShape
 from .generate import add_model_arguments, add_policy_argument, draft_dir
@@ -123,8 +123,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
     started = time.perf_counter()
     # As Engine.from_pretrained loads them: the artifacts' model hash must match the engine's.
-    target = load_target(model_dir, dtype=config.resolved_dtype(), device=config.resolved_device())
-    head = load_draft(args.draft, target=target) if args.draft else None
+    target, head = load_models(model_dir, args.draft or None, config)
     decoder = Decoder(target, head, config)
     filtered, precompile = not args.skip_filtered, not args.no_precompile
     if not args.force and aot.is_up_to_date(
