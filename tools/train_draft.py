@@ -100,6 +100,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "more than that head's appends layers that start as the identity)",
     )  # fmt: skip
     parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument(
+        "--length-groups", type=int, default=1, metavar="G",
+        help="cut each run of G steps' batches from one draw of G x --batch-size sequences "
+        "sorted by length, so a batch pads to about its own rows' length (fewer padded "
+        "tokens a step; 1: every batch a random draw)",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-interval", type=int, default=200)
     parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--heldout", type=int, default=8, help="held-out sequences")
@@ -149,6 +155,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         draft_vocab_size=args.draft_vocab if args.kind == "eagle3" else None,
         num_layers=args.num_layers,
         max_length=args.max_length,
+        length_groups=args.length_groups,
         checkpoint_interval=args.checkpoint_interval,
         eval_interval=args.eval_interval,
         num_heldout=args.heldout,

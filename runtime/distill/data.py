@@ -323,12 +323,31 @@ def make_batch(sequences: Sequence[TrainingSequence], *, max_length: int) -> Bat
 
 
 def sample_batch(
-    sequences: Sequence[TrainingSequence], *, batch_size: int, max_length: int, seed: int
+    sequences: Sequence[TrainingSequence],
+    *,
+    batch_size: int,
+    max_length: int,
+    seed: int,
+    step: int,
+    length_groups: int = 1,
 ) -> Batch:
-    """A random batch, a pure function of `seed` (so a resumed run sees the same batches)."""
-    generator = torch.Generator().manual_seed(seed)
-    picks = torch.randint(len(sequences), (batch_size,), generator=generator).tolist()
-    return make_batch([sequences[i] for i in picks], max_length=max_length)
+    """Step `step`'s batch of `batch_size` random sequences, a pure function of (seed, step)
+    so that a resumed run sees the same batches.
+
+    With `length_groups` G > 1, steps come in runs of G that share G * batch_size random
+    sequences, sorted by length and cut into G batches taken in a random order: each batch
+    pads to about its own rows' length instead of the longest of a random draw, so fewer of
+    the padded tokens every step computes are padding. Each run draws from its own generator.
+    """
+    run, position = divmod(step, length_groups)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + run)
+    picks = torch.randint(len(sequences), (length_groups * batch_size,), generator=generator)
+    if length_groups > 1:
+        lengths = torch.tensor([len(sequences[i].token_ids) for i in picks.tolist()])
+        by_length = picks[torch.sort(lengths.clamp(max=max_length), stable=True).indices]
+        order = torch.randperm(length_groups, generator=generator)
+        picks = by_length.view(length_groups, batch_size)[order[position]]
+    return make_batch([sequences[i] for i in picks.tolist()], max_length=max_length)
 
 
 def iter_batches(

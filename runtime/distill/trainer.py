@@ -64,6 +64,8 @@ class TrainConfig:
     num_heldout: sequences kept out of training for the acceptance estimate (the last of the
         training data, or the first of a held-out set given to `train_draft`).
     max_length: sequences are truncated to this many tokens.
+    length_groups: steps come in runs of this many whose batches are cut from one draw sorted
+        by length (data.py `sample_batch`), so a batch pads less; 1: every batch a random draw.
     """
 
     kind: str = "eagle3"
@@ -80,13 +82,14 @@ class TrainConfig:
     eval_interval: int = 100
     num_heldout: int = 8
     max_length: int = 2048
+    length_groups: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
             raise ValueError(f"kind {self.kind!r} is not a draft kind; use one of {DRAFT_KINDS}")
         positive = ("num_steps", "batch_size", "num_ttt_steps", "num_layers", "max_length")
-        positive += ("checkpoint_interval", "eval_interval")
+        positive += ("checkpoint_interval", "eval_interval", "length_groups")
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -466,7 +469,9 @@ def train_step(
         train_set,
         batch_size=config.batch_size,
         max_length=config.max_length,
-        seed=config.seed * 1_000_003 + step,
+        seed=config.seed,
+        step=step,
+        length_groups=config.length_groups,
     ).to(device)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(config, step)

@@ -226,8 +226,10 @@ def test_trained_head_speculates_losslessly(target, sequences, tmp_path):
     assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
 
 
-def test_resume_continues_at_the_saved_step(target, sequences, tmp_path):
-    overrides = {"kind": "eagle3", "draft_vocab_size": 48, "num_steps": 6, "checkpoint_interval": 3}
+@pytest.mark.parametrize("length_groups", [1, 4])
+def test_resume_continues_at_the_saved_step(target, sequences, tmp_path, length_groups):
+    overrides = {"kind": "eagle3", "draft_vocab_size": 48, "num_steps": 6, "checkpoint_interval": 3,
+                 "length_groups": length_groups}  # fmt: skip
     whole = _train(target, sequences, tmp_path / "whole", **overrides)
     config = TrainConfig(**({"batch_size": 8, "lr": 3e-3, "num_ttt_steps": 3,
                              "eval_interval": 20, "num_heldout": 6} | overrides))  # fmt: skip

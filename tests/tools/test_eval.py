@@ -233,6 +233,7 @@ def test_train_draft_measures_a_given_heldout_set_and_keeps_it_on_resume(
     assert main([*argv, "--out", str(data), "--prompts", str(prompts_file), "--generate-only"]) == 0
     written = str(data / "sequences.jsonl.gz")
     argv += ["--batch-size", "2", "--ttt-steps", "2", "--draft-vocab", "40", "--heldout", "2"]
+    argv += ["--length-groups", "2"]
     train = ["--sequences", written, "--heldout-sequences", written]
     assert main([*argv, *train, "--steps", "4", "--stop-at", "2", "--out", str(head)]) == 0
     kept = load_sequences(head / "checkpoint" / "heldout.jsonl")
@@ -250,10 +251,11 @@ def test_train_draft_measures_a_given_heldout_set_and_keeps_it_on_resume(
     # The resumed run trains on every sequence and measures the kept set, as a whole run does.
     assert main([*argv, *train, "--steps", "4", "--out", str(tmp_path / "whole")]) == 0
     assert capsys.readouterr().out.splitlines()[-2] == resumed
-    heads = [torch.load(out / "checkpoint" / "state.pt", weights_only=True)["head"]
-             for out in (head, tmp_path / "whole")]  # fmt: skip
-    for name, tensor in heads[0].items():
-        assert torch.equal(tensor, heads[1][name]), name
+    states = [torch.load(out / "checkpoint" / "state.pt", weights_only=True)
+              for out in (head, tmp_path / "whole")]  # fmt: skip
+    assert states[0]["config"]["length_groups"] == 2
+    for name, tensor in states[0]["head"].items():
+        assert torch.equal(tensor, states[1]["head"][name]), name
 
 
 def test_eval_measures_a_head_on_fixed_sequences(model_dir, tmp_path, capsys):
