@@ -16,6 +16,8 @@ Losses per step k (averaged over steps with weight decay**k):
   eagle1  smooth L1(head hidden, target's next post-norm feature)
           + 0.1 * cross-entropy of target lm_head(head hidden) against the target distribution.
   dense   KL(target || draft) over the full vocabulary.
+The target's side (its distribution over the scored ids, entropy, top-1) is computed once a
+batch (`target_scores`); step k reads it k+1 positions on, over the positions j < T-1-k.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import torch.nn.functional as F
 from ...models.attention import chain_ancestors, pack_ancestor_mask
 from ...models.eagle import DraftHead, DraftOutput, Eagle3Head
 from ...models.llama import AttentionInputs, Llama
-from .data import Batch
 
 EAGLE1_CE_WEIGHT = 0.1
 
@@ -133,19 +134,40 @@ def _compute_dtype(features: torch.Tensor) -> torch.dtype:
     return features.dtype
 
 
-def step_targets(batch: Batch, target_pass: TargetPass, step: int) -> tuple[torch.Tensor, ...]:
-    """What unroll step `step` is scored against.
+@dataclass
+class TargetScores:
+    """What every unroll step of one batch is scored against, computed once from the target
+    pass (`target_scores`, no gradient); position j holds the target's view of token j+1.
 
-    Returns target logits [B, T, V] and post-norm features [B, T, H] of the predicted token's
-    predecessor (position j+1+step), and valid [B, T] bool: the predicted token j+2+step
-    exists and is a response token.
+    probs: [B, T, V'] float32, the target's next-token distribution over the ids the head
+        scores (an EAGLE-3 head's draft vocabulary, renormalised; the whole vocabulary
+        otherwise).
+    neg_entropy: [B, T] float32, sum over V' of probs * log(probs).
+    top1: [B, T] int64, the target's top-1 id over its whole vocabulary.
+    scored: [B, T] bool, positions a loss counts (EAGLE-3: top-1 inside the draft vocabulary).
     """
-    valid = shift_left(batch.loss_mask, 2 + step)
-    return (
-        shift_left(target_pass.logits, 1 + step),
-        shift_left(target_pass.hidden, 1 + step),
-        valid,
-    )
+
+    probs: torch.Tensor
+    neg_entropy: torch.Tensor
+    top1: torch.Tensor
+    scored: torch.Tensor
+
+
+@torch.no_grad()
+def target_scores(head: DraftHead, target_logits: torch.Tensor) -> TargetScores:
+    """target_logits: [B, T, V] (TargetPass.logits). Once a batch instead of once a step:
+    the unroll's steps read the same positions shifted, and the full-vocabulary logits can
+    go once these are taken."""
+    top1 = target_logits.argmax(-1)
+    if isinstance(head, Eagle3Head):
+        draft_ids = torch.arange(head.d2t.shape[0], device=target_logits.device)
+        target_logits = target_logits[..., head.to_target_ids(draft_ids)]
+        scored = head.t2d[top1]
+    else:
+        scored = torch.ones_like(top1, dtype=torch.bool)
+    log_p = target_logits.float().log_softmax(-1)
+    probs = log_p.exp()
+    return TargetScores(probs, (probs * log_p).sum(-1), top1, scored)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -154,50 +176,50 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def kl_divergence(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
-    """target_logits, draft_logits: [B, T, V] over the same ids. Returns KL(p || q) [B, T]
-    in float32."""
-    log_p = target_logits.float().log_softmax(-1)
-    log_q = draft_logits.float().log_softmax(-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1)
-
-
 def step_loss(
     head: DraftHead,
     out: DraftOutput,
-    target_logits: torch.Tensor,
-    target_features: torch.Tensor,
-    valid: torch.Tensor,
+    scores: TargetScores,
+    target_hidden: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    step: int,
 ) -> torch.Tensor:
-    """The scalar loss of one unroll step (see the module docstring for each kind).
+    """The scalar loss of unroll step `step` (see the module docstring for each kind): at
+    position j it predicts token j+2+step, scored against the target at position j+1+step.
 
     Args:
         out: the step's DraftOutput (hidden [B, T, H], logits [B, T, V_draft]).
-        target_logits: [B, T, V]; target_features: [B, T, H]; valid: [B, T] bool
-            (from `step_targets`).
+        scores: the batch's TargetScores; target_hidden: [B, T, H] the target's post-norm
+            hidden states (EAGLE-1's regression target); loss_mask: [B, T] bool
+            (Batch.loss_mask).
     """
-    kind = head.config.kind
-    if kind == "eagle3":
-        draft_ids = torch.arange(out.logits.shape[-1], device=valid.device)
-        draft_to_target = head.to_target_ids(draft_ids)
-        in_vocab = head.t2d[target_logits.argmax(-1)]
-        kl = kl_divergence(target_logits[..., draft_to_target], out.logits)
-        return masked_mean(kl, valid & in_vocab)
-    if kind == "eagle1":
+    shift, num = 1 + step, max(out.logits.shape[1] - 1 - step, 0)
+    valid = _predicts_a_response(loss_mask, step, num) & scores.scored[:, shift:]
+    log_q = out.logits[:, :num].float().log_softmax(-1)
+    cross_entropy = -(scores.probs[:, shift:] * log_q).sum(-1)
+    if head.config.kind == "eagle1":
         regression = F.smooth_l1_loss(
-            out.hidden.float(), target_features.float(), reduction="none"
+            out.hidden[:, :num].float(), target_hidden[:, shift:].float(), reduction="none"
         ).mean(-1)
-        log_q = out.logits.float().log_softmax(-1)
-        cross_entropy = -(target_logits.float().softmax(-1) * log_q).sum(-1)
         return masked_mean(regression + EAGLE1_CE_WEIGHT * cross_entropy, valid)
-    return masked_mean(kl_divergence(target_logits, out.logits), valid)
+    return masked_mean(scores.neg_entropy[:, shift:] + cross_entropy, valid)  # KL(p || q)
 
 
 def top1_agreement(
-    head: DraftHead, out: DraftOutput, target_logits: torch.Tensor, valid: torch.Tensor
+    head: DraftHead, out: DraftOutput, scores: TargetScores, loss_mask: torch.Tensor, *, step: int
 ) -> tuple[int, int]:
-    """(positions where the draft's top-1, mapped to target ids, equals the target's, valid
-    positions). out.logits: [B, T, V_draft]; target_logits: [B, T, V]; valid: [B, T] bool."""
-    draft_top = head.to_target_ids(out.logits.argmax(-1))
-    agree = (draft_top == target_logits.argmax(-1)) & valid
+    """(positions where unroll step `step`'s top-1, mapped to target ids, equals the
+    target's, positions it predicts a response token at). out.logits: [B, T, V_draft];
+    loss_mask: [B, T] bool."""
+    num = max(out.logits.shape[1] - 1 - step, 0)
+    valid = _predicts_a_response(loss_mask, step, num)
+    draft_top = head.to_target_ids(out.logits[:, :num].argmax(-1))
+    agree = (draft_top == scores.top1[:, 1 + step :]) & valid
     return int(agree.sum()), int(valid.sum())
+
+
+def _predicts_a_response(loss_mask: torch.Tensor, step: int, num: int) -> torch.Tensor:
+    """[B, num] bool: token j+2+step, which unroll step `step` predicts at position j,
+    exists and is a response token."""
+    return shift_left(loss_mask, 2 + step)[:, :num]

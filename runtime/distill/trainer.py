@@ -37,7 +37,14 @@ from .data import (
     token_frequencies,
 )
 from .data import draft_vocab as build_draft_vocab
-from .losses import first_features, run_target, step_loss, step_targets, top1_agreement, unroll
+from .losses import (
+    first_features,
+    run_target,
+    step_loss,
+    target_scores,
+    top1_agreement,
+    unroll,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -227,10 +234,13 @@ def batch_loss(
     per-step losses (detached)."""
     target_pass = run_target(target, batch.tokens)
     features = first_features(head, target_pass)
+    scores = target_scores(head, target_pass.logits)
+    hidden = target_pass.hidden
+    del target_pass  # frees the full-vocabulary logits: the scores hold what the steps read
     total, weights, per_step = 0.0, 0.0, []
     outs = unroll(head, batch.tokens, features, num_steps=config.num_ttt_steps)
     for step, out in enumerate(outs):
-        loss = step_loss(head, out, *step_targets(batch, target_pass, step))
+        loss = step_loss(head, out, scores, hidden, batch.loss_mask, step=step)
         weight = config.ttt_decay**step
         total, weights = total + weight * loss, weights + weight
         per_step.append(loss.detach())
@@ -256,10 +266,10 @@ def heldout_agreement(
         with _autocast(target):
             target_pass = run_target(target, batch.tokens)
             features = first_features(head, target_pass)
+            scores = target_scores(head, target_pass.logits)
             outs = unroll(head, batch.tokens, features, num_steps=config.num_ttt_steps)
             for step, out in enumerate(outs):
-                logits, _, valid = step_targets(batch, target_pass, step)
-                hits, count = top1_agreement(head, out, logits, valid)
+                hits, count = top1_agreement(head, out, scores, batch.loss_mask, step=step)
                 agree[step] += hits
                 total[step] += count
     return [a / t if t else 0.0 for a, t in zip(agree, total, strict=True)]
