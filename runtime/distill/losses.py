@@ -16,7 +16,7 @@ Losses per step k (averaged over steps with weight decay**k):
   eagle1  smooth L1(head hidden, target's next post-norm feature)
           + 0.1 * cross-entropy of target lm_head(head hidden) against the target distribution.
   dense   KL(target || draft) over the full vocabulary.
-The target's side (its distribution over the scored ids, entropy, top-1) is computed once a
+The target's side (its distribution over the scored ids and its entropy) is computed once a
 batch (`target_scores`); step k reads it k+1 positions on, over the positions j < T-1-k.
 """
 
@@ -143,13 +143,11 @@ class TargetScores:
         scores (an EAGLE-3 head's draft vocabulary, renormalised; the whole vocabulary
         otherwise).
     neg_entropy: [B, T] float32, sum over V' of probs * log(probs).
-    top1: [B, T] int64, the target's top-1 id over its whole vocabulary.
     scored: [B, T] bool, positions a loss counts (EAGLE-3: top-1 inside the draft vocabulary).
     """
 
     probs: torch.Tensor
     neg_entropy: torch.Tensor
-    top1: torch.Tensor
     scored: torch.Tensor
 
 
@@ -158,16 +156,15 @@ def target_scores(head: DraftHead, target_logits: torch.Tensor) -> TargetScores:
     """target_logits: [B, T, V] (TargetPass.logits). Once a batch instead of once a step:
     the unroll's steps read the same positions shifted, and the full-vocabulary logits can
     go once these are taken."""
-    top1 = target_logits.argmax(-1)
     if isinstance(head, Eagle3Head):
         draft_ids = torch.arange(head.d2t.shape[0], device=target_logits.device)
+        scored = head.t2d[target_logits.argmax(-1)]
         target_logits = target_logits[..., head.to_target_ids(draft_ids)]
-        scored = head.t2d[top1]
     else:
-        scored = torch.ones_like(top1, dtype=torch.bool)
+        scored = torch.ones(target_logits.shape[:-1], dtype=torch.bool, device=target_logits.device)
     log_p = target_logits.float().log_softmax(-1)
     probs = log_p.exp()
-    return TargetScores(probs, (probs * log_p).sum(-1), top1, scored)
+    return TargetScores(probs, (probs * log_p).sum(-1), scored)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -207,15 +204,20 @@ def step_loss(
 
 
 def top1_agreement(
-    head: DraftHead, out: DraftOutput, scores: TargetScores, loss_mask: torch.Tensor, *, step: int
+    head: DraftHead,
+    out: DraftOutput,
+    target_top1: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    step: int,
 ) -> tuple[int, int]:
     """(positions where unroll step `step`'s top-1, mapped to target ids, equals the
     target's, positions it predicts a response token at). out.logits: [B, T, V_draft];
-    loss_mask: [B, T] bool."""
+    target_top1: [B, T] int64 (TargetPass.logits.argmax(-1)); loss_mask: [B, T] bool."""
     num = max(out.logits.shape[1] - 1 - step, 0)
     valid = _predicts_a_response(loss_mask, step, num)
     draft_top = head.to_target_ids(out.logits[:, :num].argmax(-1))
-    agree = (draft_top == scores.top1[:, 1 + step :]) & valid
+    agree = (draft_top == target_top1[:, 1 + step :]) & valid
     return int(agree.sum()), int(valid.sum())
 
 

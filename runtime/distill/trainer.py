@@ -266,10 +266,10 @@ def heldout_agreement(
         with _autocast(target):
             target_pass = run_target(target, batch.tokens)
             features = first_features(head, target_pass)
-            scores = target_scores(head, target_pass.logits)
+            target_top1 = target_pass.logits.argmax(-1)
             outs = unroll(head, batch.tokens, features, num_steps=config.num_ttt_steps)
             for step, out in enumerate(outs):
-                hits, count = top1_agreement(head, out, scores, batch.loss_mask, step=step)
+                hits, count = top1_agreement(head, out, target_top1, batch.loss_mask, step=step)
                 agree[step] += hits
                 total[step] += count
     return [a / t if t else 0.0 for a, t in zip(agree, total, strict=True)]

@@ -1,7 +1,7 @@
-"""The training loss and the held-out agreement, which read the target's scores once a batch,
-against a reference that scores every unroll step from the shifted full-vocabulary logits:
-the same losses, gradients and agreement counts for every head kind, on a padded batch
-shorter than the unroll."""
+"""The training loss (the target scored once a batch) and the held-out agreement against a
+reference that scores every unroll step from the shifted full-vocabulary logits: the same
+losses, gradients and agreement counts for every head kind, on a padded batch shorter than
+the unroll."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from specrun.runtime.distill.losses import (
     first_features,
     run_target,
     shift_left,
-    target_scores,
     top1_agreement,
     unroll,
 )
@@ -98,7 +97,7 @@ def test_top1_agreement_counts_the_reference_positions(kind):
     batch = _batch()
     with torch.no_grad():
         target_pass = run_target(target, batch.tokens)
-        scores = target_scores(head, target_pass.logits)
+        target_top1 = target_pass.logits.argmax(-1)
         features = first_features(head, target_pass)
         outs = list(unroll(head, batch.tokens, features, num_steps=NUM_STEPS))
     for step, out in enumerate(outs):
@@ -106,4 +105,4 @@ def test_top1_agreement_counts_the_reference_positions(kind):
         valid = shift_left(batch.loss_mask, 2 + step)
         draft_top = head.to_target_ids(out.logits.argmax(-1))
         want = (int(((draft_top == logits.argmax(-1)) & valid).sum()), int(valid.sum()))
-        assert top1_agreement(head, out, scores, batch.loss_mask, step=step) == want
+        assert top1_agreement(head, out, target_top1, batch.loss_mask, step=step) == want
