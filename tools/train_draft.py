@@ -103,8 +103,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--length-groups", type=int, default=1, metavar="G",
         help="cut each run of G steps' batches from one draw of G x --batch-size sequences "
-        "sorted by length, so a batch pads to about its own rows' length (fewer padded "
-        "tokens a step; 1: every batch a random draw)",
+        "sorted by length, into batches of about equal response tokens: a batch pads to about "
+        "its own rows' length (fewer padded tokens a step; --batch-size rows on average; 1: "
+        "every batch a random draw)",
     )  # fmt: skip
     parser.add_argument("--checkpoint-interval", type=int, default=200)
     parser.add_argument("--eval-interval", type=int, default=100)

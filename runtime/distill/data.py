@@ -20,6 +20,7 @@ follow-ups are skipped.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -331,23 +332,49 @@ def sample_batch(
     step: int,
     length_groups: int = 1,
 ) -> Batch:
-    """Step `step`'s batch of `batch_size` random sequences, a pure function of (seed, step)
-    so that a resumed run sees the same batches.
+    """Step `step`'s batch, a pure function of (seed, step) so that a resumed run sees the
+    same batches: `batch_size` random sequences.
 
     With `length_groups` G > 1, steps come in runs of G that share G * batch_size random
-    sequences, sorted by length and cut into G batches taken in a random order: each batch
-    pads to about its own rows' length instead of the longest of a random draw, so fewer of
-    the padded tokens every step computes are padding. Each run draws from its own generator.
+    sequences, sorted by length and cut into G batches of about equal response tokens, taken
+    in a random order: each batch pads to about its own rows' length instead of the longest
+    of a random draw, and holds about as many response tokens as a random batch (more rows
+    of short answers, fewer of long ones), so every token weighs in the loss's per-batch
+    mean as it does in random batches.
     """
     run, position = divmod(step, length_groups)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + run)
     picks = torch.randint(len(sequences), (length_groups * batch_size,), generator=generator)
     if length_groups > 1:
-        lengths = torch.tensor([len(sequences[i].token_ids) for i in picks.tolist()])
-        by_length = picks[torch.sort(lengths.clamp(max=max_length), stable=True).indices]
-        order = torch.randperm(length_groups, generator=generator)
-        picks = by_length.view(length_groups, batch_size)[order[position]]
+        groups = _equal_token_groups(sequences, picks, length_groups, max_length=max_length)
+        picks = groups[int(torch.randperm(length_groups, generator=generator)[position])]
     return make_batch([sequences[i] for i in picks.tolist()], max_length=max_length)
+
+
+def _equal_token_groups(
+    sequences: Sequence[TrainingSequence],
+    picks: torch.Tensor,
+    num_groups: int,
+    *,
+    max_length: int,
+) -> list[torch.Tensor]:
+    """`picks` ([N] indices into `sequences`) sorted by truncated length and cut into
+    `num_groups` non-empty runs of about equal response tokens."""
+    chosen = [sequences[i] for i in picks.tolist()]
+    lengths = torch.tensor([min(len(seq.token_ids), max_length) for seq in chosen])
+    responses = torch.tensor(
+        [max(min(len(seq.token_ids), max_length) - seq.num_prompt, 0) for seq in chosen]
+    )
+    order = torch.sort(lengths, stable=True).indices
+    cumulative = torch.cumsum(responses[order], 0)
+    quotas = cumulative[-1] * torch.arange(1, num_groups) // num_groups
+    ends = torch.searchsorted(cumulative, quotas, right=True).tolist()
+    # Each run at least one sequence, and room left for the runs after it.
+    bounds = [0]
+    for k, end in enumerate(ends, start=1):
+        bounds.append(min(max(end, bounds[-1] + 1), len(order) - (num_groups - k)))
+    bounds.append(len(order))
+    return [picks[order[a:b]] for a, b in itertools.pairwise(bounds)]
 
 
 def iter_batches(

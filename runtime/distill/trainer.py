@@ -72,7 +72,8 @@ class TrainConfig:
         training data, or the first of a held-out set given to `train_draft`).
     max_length: sequences are truncated to this many tokens.
     length_groups: steps come in runs of this many whose batches are cut from one draw sorted
-        by length (data.py `sample_batch`), so a batch pads less; 1: every batch a random draw.
+        by length into batches of about equal response tokens (data.py `sample_batch`), so a
+        batch pads less; 1: every batch a random draw.
     """
 
     kind: str = "eagle3"

@@ -1,5 +1,6 @@
 """Training batches: a pure function of (seed, step); with length groups, runs of steps cut
-from one draw sorted by length, so a batch pads less than a random draw does."""
+from one draw sorted by length into batches of about equal response tokens, so a batch pads
+less than a random draw does."""
 
 from __future__ import annotations
 
@@ -35,21 +36,25 @@ def test_a_batch_is_a_pure_function_of_seed_and_step(length_groups):
     assert _rows(sample_batch(sequences, seed=3, step=6, **options)) != _rows(first)
 
 
-def test_length_groups_cut_one_sorted_draw_into_batches():
+def test_length_groups_cut_one_sorted_draw_into_batches_of_equal_tokens():
     sequences, num_groups, batch_size = _sequences(400), 4, 5
     options = {"batch_size": batch_size, "max_length": 512, "length_groups": num_groups}
+    shuffled = False
     for run in range(3):
         steps = range(run * num_groups, (run + 1) * num_groups)
-        batches = [_rows(sample_batch(sequences, seed=1, step=s, **options)) for s in steps]
-        assert all(len(rows) == batch_size for rows in batches)
-        # The run's batches hold disjoint length ranges: one draw, sorted, cut in four.
-        spans = sorted((min(rows), max(rows)) for rows in batches)
+        batches = [sample_batch(sequences, seed=1, step=s, **options) for s in steps]
+        rows = [_rows(batch) for batch in batches]
+        assert sum(map(len, rows)) == num_groups * batch_size
+        # The run's batches hold disjoint length ranges: one draw, sorted, cut in four...
+        spans = sorted((min(r), max(r)) for r in rows)
         assert all(low >= high for (_, high), (low, _) in itertools.pairwise(spans))
-        # ...taken in a random order, not shortest first in every run.
-        if [min(rows) for rows in batches] != sorted(min(rows) for rows in batches):
-            break
-    else:
-        pytest.fail("every run took its batches shortest first")
+        # ...where each batch's response tokens reach the run's share within one sequence.
+        tokens = [int(batch.loss_mask.sum()) for batch in batches]
+        share = sum(tokens) / num_groups
+        assert all(abs(count - share) <= max(map(max, rows)) for count in tokens), tokens
+        # ...and taken in a random order, not shortest first in every run.
+        shuffled |= [min(r) for r in rows] != sorted(min(r) for r in rows)
+    assert shuffled
 
 
 def test_length_groups_pad_less_than_random_draws():
