@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..models.default import default_model_dir
-from ..models.loading import load_draft, load_target
-from ..runtime.config import EngineConfig
+from ..models.loading import load_draft
 from ..runtime.distill.data import load_sequence_files
 from ..runtime.distill.trainer import TrainConfig, expected_accepted_length, heldout_agreement
+from .train_draft import plain_target
 
 DRAFT_STEPS = 7
 BATCH_SIZE = 8
@@ -32,12 +31,7 @@ def run_agreement(args: argparse.Namespace) -> int:
     sequences = load_sequence_files(args.sequences)[: args.max_prompts]
     if not sequences:
         raise ValueError(f"no sequences in {args.sequences}; give files train-draft wrote")
-    engine_config = EngineConfig(device=args.device, dtype=args.dtype)
-    target = load_target(
-        args.model or default_model_dir(),
-        dtype=engine_config.resolved_dtype(),
-        device=engine_config.resolved_device(),
-    )
+    target = plain_target(args)
     # Float32 head weights under the target's autocast, as in training.
     head = load_draft(args.draft, target=target).float()
     config = TrainConfig(batch_size=BATCH_SIZE, max_length=MAX_LENGTH, num_ttt_steps=DRAFT_STEPS)

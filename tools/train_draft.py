@@ -18,6 +18,7 @@ import torch
 
 from ..models.config import DRAFT_KINDS
 from ..models.default import default_model_dir
+from ..models.llama import Llama
 from ..models.loading import load_target
 from ..models.tokenizer import Tokenizer
 from ..runtime.config import EngineConfig
@@ -176,10 +177,7 @@ def run(args: argparse.Namespace) -> int:
                          "leave out --heldout-sequences")  # fmt: skip
     config = train_config(args)
     model_dir = args.model or default_model_dir()
-    engine_config = EngineConfig(device=args.device, dtype=args.dtype)
-    target = load_target(
-        model_dir, dtype=engine_config.resolved_dtype(), device=engine_config.resolved_device()
-    )
+    target = plain_target(args)
     heldout = _heldout_sequences(args)
     if args.resume:
         sequences = load_sequences(checkpoint_sequences_path(args.out))
@@ -217,6 +215,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"held-out top-1 agreement per draft step at step {step}: {rates}")
     print(f"wrote the {args.kind} head to {args.out}")
     return 0
+
+
+def plain_target(args: argparse.Namespace) -> Llama:
+    """The target `--model` names (default: the embedded one) on `--device` in `--dtype`,
+    with its plain weights: training and teacher-forced evaluation take no engine packing."""
+    config = EngineConfig(device=args.device, dtype=args.dtype)
+    return load_target(
+        args.model or default_model_dir(),
+        dtype=config.resolved_dtype(),
+        device=config.resolved_device(),
+    )
 
 
 def _heldout_sequences(args: argparse.Namespace) -> list | None:

@@ -361,10 +361,8 @@ def _equal_token_groups(
     """`picks` ([N] indices into `sequences`) sorted by truncated length and cut into
     `num_groups` non-empty runs of about equal response tokens."""
     chosen = [sequences[i] for i in picks.tolist()]
-    lengths = torch.tensor([min(len(seq.token_ids), max_length) for seq in chosen])
-    responses = torch.tensor(
-        [max(min(len(seq.token_ids), max_length) - seq.num_prompt, 0) for seq in chosen]
-    )
+    lengths = torch.tensor([len(seq.token_ids) for seq in chosen]).clamp(max=max_length)
+    responses = (lengths - torch.tensor([seq.num_prompt for seq in chosen])).clamp(min=0)
     order = torch.sort(lengths, stable=True).indices
     cumulative = torch.cumsum(responses[order], 0)
     quotas = cumulative[-1] * torch.arange(1, num_groups) // num_groups
