@@ -42,13 +42,14 @@ from ..runtime.stats import EngineStats, RequestStats
 from ..runtime.tree import StaticTree, TreeShape
 from .eval_agreement import run_agreement
 from .eval_plot import check_plotting, plot_records, tree_label
+from .eval_stats import Z95, accepted_length, prompts_digest, run_compare
 from .generate import add_compile_argument, add_tree_arguments, compile_choice, tree_shape
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("eval", help="acceptance and speed-up of a draft head")
     parser.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
-    parser.add_argument("--draft", required=True, help="draft-head directory")
+    parser.add_argument("--draft", default=None, help="draft-head directory (required to decode)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--prompts",
@@ -60,6 +61,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="instead of decoding prompts: the head's top-1 agreement per draft step on these "
         "finished sequences (train-draft writes them), teacher-forced; a fixed set orders "
         "heads without decoding's noise (tools/eval_agreement.py)",
+    )  # fmt: skip
+    source.add_argument(
+        "--compare", nargs=2, type=Path, metavar=("BASE", "NEW"),
+        help="instead of decoding: two `--json` results over the same prompts, each shared "
+        "point's accepted length and NEW's difference from BASE with its 95%% interval, "
+        "paired by prompt (tools/eval_stats.py)",
     )  # fmt: skip
     parser.add_argument(
         "--max-prompts", type=int, default=None, help="use the first N prompts (or sequences)"
@@ -138,6 +145,11 @@ def parse_tree_shape(text: str) -> TreeShape:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        run_compare(*args.compare)
+        return 0
+    if args.draft is None:
+        raise ValueError("--draft is required with --prompts or --sequences: the head to measure")
     if args.sequences:
         return run_agreement(args)
     shapes = _tree_shapes(args)
@@ -148,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     records = read_prompt_records(args.prompts)[: args.max_prompts]
     prompts = [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in records]
     categories = [r.category for r in records]
+    digest = prompts_digest(prompts)
     if min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes must be positive, got {args.batch_sizes}")
     batch_sizes = sorted(set(args.batch_sizes))
@@ -197,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
                     policy=policy,
                 )
                 request_categories = filled(categories, batch_size) * args.repeats
+                request_prompts = filled(list(range(len(prompts))), batch_size) * args.repeats
                 records.append(
                     {
                         **record,
@@ -204,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
                         "repeats": args.repeats,
                         **category_fields(request_categories, per_request),
                         **_policy_fields(spec, policy, per_request),
+                        **error_fields(per_request, request_prompts, digest),
                         **({"plain_floor": floors[temperature, batch_size]} if floors else {}),
                     }
                 )
@@ -348,6 +363,18 @@ def category_fields(
     }
 
 
+def error_fields(per_request: list[RequestStats], request_prompts: list[int], digest: str) -> dict:
+    """The accepted length's standard error over prompts, each request's prompt index (in
+    the order of `requests`) and the prompts' digest: what `--compare` pairs two runs by."""
+    requests = [[r.num_rounds, r.num_accepted] for r in per_request]
+    estimate = accepted_length(requests, request_prompts)
+    return {
+        "accepted_length_stderr": estimate.stderr,
+        "request_prompts": request_prompts,
+        "prompts_digest": digest,
+    }
+
+
 def _shape_of(engine: Engine) -> tuple[int, int, int]:
     shape = engine.config.tree_for(1)
     return shape.depth, shape.topk, shape.num_nodes
@@ -425,7 +452,7 @@ def format_table(records: list[dict]) -> str:
     plain step, the speed-up of the rounds alone, and the rounds run, those that left the
     drafts behind and those the policy ran to explore."""
     header = (
-        f"{'tree':>18} {'temp':>6} {'batch':>5} {'accept len':>10} {'spec tok/s':>11} "
+        f"{'tree':>18} {'temp':>6} {'batch':>5} {'accept len':>10} {'+-95%':>6} {'spec tok/s':>11} "
         f"{'plain tok/s':>12} {'speedup':>8} {'round ms':>9} {'step ms':>8} "
         f"{'decode speedup':>15} {'rounds':>7} {'behind':>7} {'explored':>8}"
     )
@@ -434,13 +461,18 @@ def format_table(records: list[dict]) -> str:
         tree = tree_label(r)
         rows.append(
             f"{tree:>18} {r['temperature']:>6.2f} {r.get('batch_size', 1):>5} "
-            f"{r['mean_accepted_length']:>10.2f} "
+            f"{r['mean_accepted_length']:>10.2f} {_half_width(r):>6} "
             f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
             f"{r['speedup']:>7.3f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
             f"{r['decode_speedup']:>14.3f}x {r['num_rounds']:>7} "
             f"{r['num_rounds_drafts_behind']:>7} {r['num_rounds_exploring']:>8}"
         )
     return "\n".join(rows)
+
+
+def _half_width(record: dict) -> str:
+    stderr = record.get("accepted_length_stderr")
+    return "n/a" if stderr is None else f"{Z95 * stderr:.2f}"
 
 
 def format_category_table(records: list[dict]) -> str:

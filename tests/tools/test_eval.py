@@ -25,6 +25,7 @@ from specrun.runtime.stats import RequestStats
 from specrun.runtime.tree import TreeShape
 from specrun.tools.cli import main
 from specrun.tools.eval import category_fields, filled, measure
+from specrun.tools.eval_stats import accepted_length, prompts_digest
 from tiny_models import random_head, random_llama, tiny_config
 
 VOCAB = 97
@@ -454,3 +455,32 @@ def test_train_draft_answers_built_in_prompts_at_mixed_temperatures(model_dir, t
     assert "temperatures [0.0, 1.0]" in capsys.readouterr().out
     written = tmp_path / "head" / "checkpoint" / "sequences.jsonl"
     assert len(written.read_text().splitlines()) == 3  # no chat template: no follow-ups
+
+
+def test_eval_compare_pairs_two_runs_by_prompt(model_dir, prompts_file, tmp_path, capsys):
+    """Each point of `specrun eval` carries its error, its requests' prompts and the prompts'
+    digest; `--compare` of two runs over the same prompts (batch 4 fills with a repeated
+    prompt) prints the paired difference, zero for a run against itself."""
+    options = ["--temperatures", "0", "--max-new-tokens", "8", "--ignore-eos"]
+    options += ["--trees", "3,2,5", "--batch-sizes", "4"]
+    [record] = _eval_records(model_dir, prompts_file, tmp_path, *options)
+    assert record["request_prompts"] == [0, 1, 2, 0]
+    assert record["prompts_digest"] == prompts_digest(["t5 t17 t3", [9, 41, 2, 77], "t60 t1"])
+    expected = accepted_length(record["requests"], record["request_prompts"])
+    assert record["accepted_length_stderr"] == pytest.approx(expected.stderr)
+    assert expected.value == pytest.approx(record["mean_accepted_length"])
+    base = tmp_path / "base.jsonl"
+    base.write_text(json.dumps(record) + "\n")
+    capsys.readouterr()
+    assert main(["eval", "--compare", str(base), str(tmp_path / "eval.jsonl")]) == 0
+    [row] = [line.split() for line in capsys.readouterr().out.splitlines() if "3,2,5" in line]
+    assert row[3:] == ["3", f"{expected.value:.3f}", f"{expected.value:.3f}", "+0.000", "0.000"]
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({**record, "prompts_digest": "x"}) + "\n")
+    assert main(["eval", "--compare", str(base), str(other)]) == 2
+    assert "different prompts" in capsys.readouterr().err
+
+
+def test_eval_needs_a_head_to_decode(capsys):
+    assert main(["eval", "--prompts", "p"]) == 2
+    assert "--draft is required" in capsys.readouterr().err
