@@ -117,6 +117,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "over the first's (`plain_floor`): how far apart two identical plain runs read, the "
         "resolution of every speed-up against plain decoding",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-plain", action="store_true",
+        help="measure the head alone: no plain decoding, so no speed-ups (the accepted "
+        "lengths, their intervals and the rounds' times; about half the time)",
+    )  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--plot", default=None, help="also draw the results into this PNG")
@@ -155,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     shapes = _tree_shapes(args)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.no_plain and args.plain_floor:
+        raise ValueError("--plain-floor measures plain decoding twice: leave out --no-plain")
     if args.plot:
         check_plotting()
     records = read_prompt_records(args.prompts)[: args.max_prompts]
@@ -182,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
     if args.cost_profile is not None:
         text = args.cost_profile.read_text()
         profile = cost_profile.CostProfile.from_json(text, path=args.cost_profile)
-    baselines = _plain_points(Engine(model, tokenizer, config), args, prompts, points, profile)
+    baselines = {}
+    if not args.no_plain:
+        plain = Engine(model, tokenizer, config)
+        baselines = _plain_points(plain, args, prompts, points, profile)
     floors = {}
     if args.plain_floor:
         again = _plain_points(Engine(model, tokenizer, config), args, prompts, points, profile)
@@ -205,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
                     side_config.tree_for(batch_size),
                     temperature,
                     spec_stats,
-                    baselines[temperature, batch_size],
+                    baselines.get((temperature, batch_size)),
                     max(len(prompts), batch_size),
                     policy=policy,
                 )
@@ -384,15 +394,16 @@ def point_record(
     shape: TreeShape,
     temperature: float,
     spec_stats: EngineStats,
-    plain_stats: EngineStats,
+    plain_stats: EngineStats | None,
     num_prompts: int,
     *,
     policy: str = "fixed",
 ) -> dict:
     """One JSON line: the batch size's tree (with an adaptive policy: the top of its ladder)
-    at a temperature against plain decoding, with the rounds each shape ran, in all and per
-    bucket ("bucket:round", what `cost_profile.charged_seconds` charges), and how many of
-    the plain ones left the drafts behind."""
+    at a temperature against plain decoding (its fields left out without `plain_stats`),
+    with the rounds each shape ran, in all and per bucket ("bucket:round", what
+    `cost_profile.charged_seconds` charges), and how many of the plain ones left the drafts
+    behind."""
     record = {
         "policy": policy,
         "rounds_by_shape": spec_stats.rounds_by_shape,
@@ -410,11 +421,17 @@ def point_record(
         "num_rounds_exploring": spec_stats.num_rounds_exploring,
         "num_generated_tokens": spec_stats.num_generated_tokens,
         "tokens_per_second": spec_stats.tokens_per_second,
-        "baseline_tokens_per_second": plain_stats.tokens_per_second,
-        "speedup": spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9),
         **time_breakdown(spec_stats),
-        **time_breakdown(plain_stats, prefix="baseline_"),
     }
+    if plain_stats is None:
+        return record
+    record.update(
+        {
+            "baseline_tokens_per_second": plain_stats.tokens_per_second,
+            "speedup": spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9),
+            **time_breakdown(plain_stats, prefix="baseline_"),
+        }
+    )
     record["decode_speedup"] = record["decode_tokens_per_second"] / max(
         record["baseline_decode_tokens_per_second"], 1e-9
     )
@@ -449,8 +466,8 @@ def time_breakdown(stats: EngineStats, *, prefix: str = "") -> dict:
 def format_table(records: list[dict]) -> str:
     """One row per tree shape (or policy), temperature and batch size: accepted length,
     tokens/s with and without the head (wall time, prefills included), the mean round and
-    plain step, the speed-up of the rounds alone, and the rounds run, those that left the
-    drafts behind and those the policy ran to explore."""
+    plain step, the speed-up of the rounds alone ('-' without plain decoding), and the rounds
+    run, those that left the drafts behind and those the policy ran to explore."""
     header = (
         f"{'tree':>18} {'temp':>6} {'batch':>5} {'accept len':>10} {'+-95%':>6} {'spec tok/s':>11} "
         f"{'plain tok/s':>12} {'speedup':>8} {'round ms':>9} {'step ms':>8} "
@@ -458,16 +475,27 @@ def format_table(records: list[dict]) -> str:
     )
     rows = [header, "-" * len(header)]
     for r in records:
-        tree = tree_label(r)
+        plain_tps = _cell(r, "baseline_tokens_per_second", 12, ".1f")
+        speedup, step_ms = (
+            _cell(r, "speedup", 7, ".3f", "x"),
+            _cell(r, "baseline_round_ms", 8, ".3f"),
+        )
+        decode_speedup = _cell(r, "decode_speedup", 14, ".3f", "x")
         rows.append(
-            f"{tree:>18} {r['temperature']:>6.2f} {r.get('batch_size', 1):>5} "
+            f"{tree_label(r):>18} {r['temperature']:>6.2f} {r.get('batch_size', 1):>5} "
             f"{r['mean_accepted_length']:>10.2f} {_half_width(r):>6} "
-            f"{r['tokens_per_second']:>11.1f} {r['baseline_tokens_per_second']:>12.1f} "
-            f"{r['speedup']:>7.3f}x {r['round_ms']:>9.3f} {r['baseline_round_ms']:>8.3f} "
-            f"{r['decode_speedup']:>14.3f}x {r['num_rounds']:>7} "
+            f"{r['tokens_per_second']:>11.1f} {plain_tps} {speedup} {r['round_ms']:>9.3f} "
+            f"{step_ms} {decode_speedup} {r['num_rounds']:>7} "
             f"{r['num_rounds_drafts_behind']:>7} {r['num_rounds_exploring']:>8}"
         )
     return "\n".join(rows)
+
+
+def _cell(record: dict, key: str, width: int, spec: str, suffix: str = "") -> str:
+    """A plain-decoding column: '-' where the point measured none (--no-plain)."""
+    if key not in record:
+        return f"{'-':>{width + len(suffix)}}"
+    return f"{record[key]:>{width}{spec}}{suffix}"
 
 
 def _half_width(record: dict) -> str:

