@@ -129,7 +129,8 @@ if [ -n "${SPECRUN_BENCH_HEAD:-}" ]; then
     # shellcheck disable=SC2086
     timeout 560 python3 -m specrun.tools.cli eval --draft "$head_dir" --prompts builtin:broad \
         --max-prompts "${SPECRUN_BENCH_HEAD_PROMPTS:-48}" --temperatures 0 --batch-sizes 1 \
-        --max-new-tokens 256 --stochastic --trees $SPECRUN_BENCH_HEAD --json "$OUT/bench_head.jsonl" 2> "$OUT/bench_head.err" \
+        --max-new-tokens 256 --stochastic --trees $SPECRUN_BENCH_HEAD \
+        --json "$OUT/bench_head.jsonl" 2> "$OUT/bench_head.err" \
         | grep -v '^{' | tee "$OUT/bench_head.log"
 fi
 if [ -n "${SPECRUN_OUTPUT_CODE:-}" ]; then
