@@ -27,7 +27,8 @@ import torch
 from ..models.config import DRAFT_KINDS, LlamaConfig
 from ..runtime.config import EngineConfig
 from ..runtime.distill.data import TrainingSequence, generate_sequences
-from ..runtime.distill.trainer import TrainConfig, build_head, new_optimizer, train_step
+from ..runtime.distill.heads import build_head
+from ..runtime.distill.trainer import TrainConfig, new_optimizer, train_step
 from .bench_env import environment
 from .random_models import SHAPES, random_target
 

@@ -23,6 +23,7 @@ from ..models.loading import load_target
 from ..models.tokenizer import Tokenizer
 from ..runtime.config import EngineConfig
 from ..runtime.distill.broad_prompts import CATEGORIES
+from ..runtime.distill.checkpoint import checkpoint_heldout_path, checkpoint_sequences_path
 from ..runtime.distill.data import (
     generate_record_sequences,
     load_sequence_files,
@@ -31,12 +32,7 @@ from ..runtime.distill.data import (
     save_sequences,
 )
 from ..runtime.distill.self_instruct import self_instruct_records
-from ..runtime.distill.trainer import (
-    TrainConfig,
-    checkpoint_heldout_path,
-    checkpoint_sequences_path,
-    train_draft,
-)
+from ..runtime.distill.trainer import TrainConfig, train_draft
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,13 @@
-"""Online distillation of a draft head: the training loop, held-out estimate, checkpoints.
+"""Online distillation of a draft head: the training loop and its held-out estimate.
 
-Each step samples a batch of self-distilled sequences (data.py), runs the frozen target once
-over it (hidden states, taps, logits), unrolls the head for `num_ttt_steps` training-time-test
-steps through its normal forward and takes one AdamW step on the head's own parameters
-(losses.py). The target's embedding / lm_head that heads borrow stay frozen. A checkpoint
-(head state + optimizer + step, and the training and held-out sequences) lands in
-`out/checkpoint` every `checkpoint_interval` steps; batches are a pure function of (seed,
-step), so a resumed run continues exactly where the saved one stood. The finished head is
+The head starts fresh or from a saved one (heads.py). Each step samples a batch of
+self-distilled sequences (data.py), runs the frozen target once over it (hidden states, taps,
+logits), unrolls the head for `num_ttt_steps` training-time-test steps through its normal
+forward and takes one AdamW step on the head's own parameters (losses.py). The target's
+embedding / lm_head that heads borrow stay frozen. A checkpoint (checkpoint.py: head state +
+optimizer + step, and the training and held-out sequences) lands in `out/checkpoint` every
+`checkpoint_interval` steps; batches are a pure function of (seed, step), so a resumed run
+continues exactly where the saved one stood. The finished head is
 written to `out` with `save_draft` (published layout), loadable by
 `Engine.from_pretrained(model, draft=out)`.
 """
@@ -14,7 +15,6 @@ written to `out` with `save_draft` (published layout), loadable by
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -25,18 +25,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...models.config import DRAFT_KINDS, DraftConfig
-from ...models.eagle import DraftHead, Eagle3Head, add_layers, build_draft, with_draft_vocab
+from ...models.config import DRAFT_KINDS
+from ...models.eagle import DraftHead
 from ...models.llama import Llama
-from ...models.loading import load_draft, save_draft
-from .data import (
-    TrainingSequence,
-    iter_batches,
-    sample_batch,
-    save_sequences,
-    token_frequencies,
+from ...models.loading import save_draft
+from .checkpoint import (
+    checkpoint_heldout_path,
+    checkpoint_sequences_path,
+    load_checkpoint,
+    save_checkpoint,
 )
-from .data import draft_vocab as build_draft_vocab
+from .data import TrainingSequence, iter_batches, sample_batch, save_sequences
+from .heads import build_head, initial_head
 from .losses import (
     first_features,
     run_target,
@@ -47,11 +47,6 @@ from .losses import (
 )
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_DIR = "checkpoint"
-STATE_FILE = "state.pt"
-SEQUENCES_FILE = "sequences.jsonl"
-HELDOUT_FILE = "heldout.jsonl"
 
 
 @dataclass(frozen=True)
@@ -120,94 +115,6 @@ class TrainResult:
     head: DraftHead
     losses: list[float] = field(default_factory=list)
     heldout: list[tuple[int, list[float]]] = field(default_factory=list)
-
-
-def build_head(
-    target: Llama, config: TrainConfig, sequences: Sequence[TrainingSequence]
-) -> DraftHead:
-    """A fresh float32 head for `target` on its device. EAGLE-3 heads get the draft
-    vocabulary of the sequences' most frequent response tokens and an lm_head initialised
-    from the target's rows of those tokens (when the widths match)."""
-    vocab = target.config.vocab_size
-    draft_vocab = None
-    if config.kind == "eagle3":
-        draft_vocab = config.draft_vocab_size or min(32000, vocab)
-    draft_config = DraftConfig(
-        kind=config.kind,
-        layer=target.config,
-        num_layers=config.num_layers or 1,
-        draft_vocab_size=draft_vocab,
-        tap_layers=target.tap_layers if config.kind == "eagle3" else None,
-    )
-    device = target.lm_head.weight.device
-    torch.manual_seed(config.seed)
-    with torch.device(device):
-        head = build_draft(draft_config, target).float()
-    if isinstance(head, Eagle3Head):
-        _init_draft_vocab(head, target, token_frequencies(sequences, vocab_size=vocab))
-    return head
-
-
-def initial_head(
-    target: Llama,
-    config: TrainConfig,
-    head_dir: str | Path,
-    sequences: Sequence[TrainingSequence],
-) -> DraftHead:
-    """The head in `head_dir` in float32 on the target's device, checked against `config`.
-
-    An EAGLE-3 head gets a new draft vocabulary of `config.draft_vocab_size` tokens when
-    that is set: the most frequent response tokens of `sequences` (tokens it already drafts
-    keep their trained lm_head rows, see `with_draft_vocab`). It is deepened to
-    `config.num_layers` when that asks for more layers than it has.
-    """
-    head = load_draft(head_dir, target=target, dtype=torch.float32)
-    if head.config.kind != config.kind:
-        raise ValueError(
-            f"{head_dir} holds an {head.config.kind} head, not {config.kind}; "
-            f"train it with kind={head.config.kind!r} (--kind {head.config.kind})"
-        )
-    if config.draft_vocab_size is not None:
-        head = _redraw_draft_vocab(head, target, sequences, size=config.draft_vocab_size)
-    layers = head.num_layers
-    if config.num_layers is None or config.num_layers == layers:
-        return head
-    if config.num_layers < layers:
-        raise ValueError(
-            f"{head_dir} holds a head of {layers} layers, not num_layers={config.num_layers}; "
-            "leave it unset to keep them, or ask for more to add layers"
-        )
-    logger.info("adding %d layers to the %d of %s", config.num_layers - layers, layers, head_dir)
-    torch.manual_seed(config.seed)
-    return add_layers(head, num_layers=config.num_layers)
-
-
-def _redraw_draft_vocab(
-    head: Eagle3Head, target: Llama, sequences: Sequence[TrainingSequence], *, size: int
-) -> Eagle3Head:
-    """`head` over the `size` most frequent response tokens of `sequences`; tokens new to it
-    start from the target's lm_head rows (or a fresh layer's when the widths differ)."""
-    vocab = target.config.vocab_size
-    d2t, _ = build_draft_vocab(token_frequencies(sequences, vocab_size=vocab), size=size)
-    kept = (torch.arange(size) + d2t).to(head.lm_head.weight.device)
-    width = head.lm_head.weight.shape[1]
-    if target.lm_head.weight.shape[1] == width:
-        new_rows = target.lm_head.weight[kept].float()
-    else:
-        new_rows = torch.nn.Linear(width, size, bias=False, device=kept.device).weight.detach()
-    num_drafted = int(head.t2d[kept].sum())
-    logger.info("draft vocabulary of %d tokens, %d of them drafted before", size, num_drafted)
-    return with_draft_vocab(head, kept, new_rows=new_rows)
-
-
-@torch.no_grad()
-def _init_draft_vocab(head: Eagle3Head, target: Llama, frequencies: torch.Tensor) -> None:
-    d2t, t2d = build_draft_vocab(frequencies, size=head.d2t.shape[0])
-    head.d2t.copy_(d2t)
-    head.t2d.copy_(t2d)
-    if head.lm_head.weight.shape[1] == target.lm_head.weight.shape[1]:
-        kept = head.to_target_ids(torch.arange(head.d2t.shape[0], device=head.d2t.device))
-        head.lm_head.weight.copy_(target.lm_head.weight[kept].float())
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -300,74 +207,6 @@ def split_heldout(
     if num_heldout <= 0:
         return list(sequences), []
     return list(sequences[:-num_heldout]), list(sequences[-num_heldout:])
-
-
-def save_checkpoint(
-    out_dir: Path, head: DraftHead, optimizer: torch.optim.Optimizer, step: int, config
-) -> None:
-    """Write head state + optimizer + step (+ the config as a dict) to out/checkpoint."""
-    directory = out_dir / CHECKPOINT_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {
-        "head": head.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "step": step,
-        "config": dataclasses.asdict(config),
-    }
-    tmp = directory / (STATE_FILE + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(directory / STATE_FILE)
-    logger.info("checkpoint at step %d in %s", step, directory)
-
-
-def load_checkpoint(out_dir: Path, head: DraftHead, optimizer: torch.optim.Optimizer) -> int:
-    """Restore head and optimizer from out/checkpoint; returns the saved step (a ValueError
-    when the saved head is not the one these options build: `_check_saved_head`)."""
-    path = out_dir / CHECKPOINT_DIR / STATE_FILE
-    if not path.is_file():
-        raise ValueError(f"no checkpoint at {path}; run without --resume to start afresh")
-    device = next(head.parameters()).device
-    state = torch.load(path, map_location=device, weights_only=True)
-    _check_saved_head(path, state, head)
-    head.load_state_dict(state["head"])
-    optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
-
-
-def _check_saved_head(path: Path, state: dict, head: DraftHead) -> None:
-    """A ValueError naming the options to repeat when the saved head's tensors are not
-    `head`'s: other names (--kind, --num-layers) or other shapes (--draft-vocab, most
-    likely)."""
-    saved, built = state["head"], head.state_dict()
-    if saved.keys() != built.keys():
-        kind = state["config"]["kind"]
-        layers = {name.split(".")[1] for name in saved if name.startswith("layers.")}
-        num_layers = len(layers) + (1 if kind == "eagle3" else 0)  # the mid layer
-        raise ValueError(
-            f"{path} holds a {kind} head of {num_layers} layers, not the head these options "
-            f"build; resume with those of the run that wrote it (--kind {kind} "
-            f"--num-layers {num_layers})"
-        )
-    mismatched = [
-        f"{name} {list(saved[name].shape)} (these options: {list(tensor.shape)})"
-        for name, tensor in built.items()
-        if tensor.shape != saved[name].shape
-    ]
-    if mismatched:
-        raise ValueError(
-            f"{path} holds a head of other shapes: {'; '.join(mismatched)}; resume with the "
-            "options of the run that wrote it (--draft-vocab sizes an EAGLE-3 head's lm_head)"
-        )
-
-
-def checkpoint_sequences_path(out_dir: str | Path) -> Path:
-    """Where a run keeps its training sequences (so a resumed run trains on the same data)."""
-    return Path(out_dir) / CHECKPOINT_DIR / SEQUENCES_FILE
-
-
-def checkpoint_heldout_path(out_dir: str | Path) -> Path:
-    """Where a run given a held-out set keeps it (a resumed run measures the same one)."""
-    return Path(out_dir) / CHECKPOINT_DIR / HELDOUT_FILE
 
 
 def train_draft(

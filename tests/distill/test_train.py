@@ -22,11 +22,11 @@ from specrun.runtime.distill.data import (
     make_batch,
     token_frequencies,
 )
+from specrun.runtime.distill.heads import initial_head
 from specrun.runtime.distill.losses import first_features, run_target, unroll
 from specrun.runtime.distill.trainer import (
     TrainConfig,
     heldout_agreement,
-    initial_head,
     split_heldout,
     train_draft,
 )
