@@ -4,17 +4,20 @@ For each tree shape (run fixed, and with `--policy` each named speculation polic
 among the first tree's ladder), temperature and batch size: the prompts are decoded that many
 at a time (alone by default) speculatively with the head, and compared with plain decoding of
 the same prompts (no head, measured once per temperature and batch size with the same engine
-settings; with `--plain-floor` a second plain engine measures them again, and each point
-also holds the ratio of the two, `plain_floor`: the resolution of its speed-up). Each point
-is one JSON line: mean accepted length (tokens per round), the histogram of accepted draft
-tokens per round, tokens/s of both and the speed-up, and where each side's time went
-(prefill, rounds on the GPU, the rest). A table follows on stdout; `--plot` also draws the
-histograms and the accepted length by tree shape (tools/eval_plot.py).
+settings; none with `--no-plain`; with `--plain-floor` a second plain engine measures them
+again, and each point also holds the ratio of the two, `plain_floor`: the resolution of its
+speed-up). Each point is one JSON line: mean accepted length (tokens per round) and its
+standard error over prompts, the histogram of accepted draft tokens per round, tokens/s of
+both and the speed-up, and where each side's time went (prefill, rounds on the GPU, the
+rest). A table follows on stdout; `--plot` also draws the histograms and the accepted length
+by tree shape (tools/eval_plot.py).
 Prompts are JSON lines {"prompt": text} or {"prompt_ids": [ids]}, or a built-in split
 ("builtin:broad", ...). When prompts carry a "category", each point also holds the mean
 accepted length of each category, pooled over its requests' rounds like the overall one, and
 a second table gives them per point; prompts without a category count only in the totals.
-With `--sequences` it measures the head on finished text instead (tools/eval_agreement.py).
+With `--sequences` it measures the head on finished text instead (tools/eval_agreement.py);
+what a point records and prints is tools/eval_report.py, its error and `--compare`
+tools/eval_stats.py.
 """
 
 from __future__ import annotations
@@ -41,8 +44,15 @@ from ..runtime.engine import Engine
 from ..runtime.stats import EngineStats, RequestStats
 from ..runtime.tree import StaticTree, TreeShape
 from .eval_agreement import run_agreement
-from .eval_plot import check_plotting, plot_records, tree_label
-from .eval_stats import Z95, accepted_length, prompts_digest, run_compare
+from .eval_plot import check_plotting, plot_records
+from .eval_report import (
+    category_fields,
+    error_fields,
+    format_category_table,
+    format_table,
+    point_record,
+)
+from .eval_stats import prompts_digest, run_compare
 from .generate import add_compile_argument, add_tree_arguments, compile_choice, tree_shape
 
 
@@ -348,173 +358,12 @@ def filled(items: list, batch_size: int) -> list:
     return (items * -(-batch_size // len(items)))[: max(len(items), batch_size)]
 
 
-def category_fields(
-    categories: list[str | None], per_request: list[RequestStats]
-) -> dict[str, dict[str, float | int]]:
-    """Per category (requests without one left out): the mean accepted length, pooled over
-    its requests' rounds as the overall mean is ((accepted draft tokens + rounds) / rounds),
-    its rounds and its requests. No fields when no request has a category."""
-    rounds: dict[str, int] = {}
-    tokens: dict[str, int] = {}
-    requests: dict[str, int] = {}
-    for category, stats in zip(categories, per_request, strict=True):
-        if category is None:
-            continue
-        rounds[category] = rounds.get(category, 0) + stats.num_rounds
-        tokens[category] = tokens.get(category, 0) + stats.num_accepted + stats.num_rounds
-        requests[category] = requests.get(category, 0) + 1
-    if not requests:
-        return {}
-    names = sorted(requests)
-    return {
-        "accepted_length_by_category": {c: tokens[c] / max(rounds[c], 1) for c in names},
-        "rounds_by_category": {c: rounds[c] for c in names},
-        "requests_by_category": {c: requests[c] for c in names},
-    }
-
-
-def error_fields(per_request: list[RequestStats], request_prompts: list[int], digest: str) -> dict:
-    """The accepted length's standard error over prompts, each request's prompt index (in
-    the order of `requests`) and the prompts' digest: what `--compare` pairs two runs by."""
-    requests = [[r.num_rounds, r.num_accepted] for r in per_request]
-    estimate = accepted_length(requests, request_prompts)
-    return {
-        "accepted_length_stderr": estimate.stderr,
-        "request_prompts": request_prompts,
-        "prompts_digest": digest,
-    }
-
-
 def _shape_of(engine: Engine) -> tuple[int, int, int]:
     shape = engine.config.tree_for(1)
     return shape.depth, shape.topk, shape.num_nodes
-
-
-def point_record(
-    shape: TreeShape,
-    temperature: float,
-    spec_stats: EngineStats,
-    plain_stats: EngineStats | None,
-    num_prompts: int,
-    *,
-    policy: str = "fixed",
-) -> dict:
-    """One JSON line: the batch size's tree (with an adaptive policy: the top of its ladder)
-    at a temperature against plain decoding (its fields left out without `plain_stats`),
-    with the rounds each shape ran, in all and per bucket ("bucket:round", what
-    `cost_profile.charged_seconds` charges), and how many of the plain ones left the drafts
-    behind."""
-    record = {
-        "policy": policy,
-        "rounds_by_shape": spec_stats.rounds_by_shape,
-        "rounds_by_bucket": spec_stats.rounds_by_bucket,
-        "temperature": temperature,
-        "num_prompts": num_prompts,
-        "depth": shape.depth,
-        "topk": shape.topk,
-        "nodes": shape.num_nodes,
-        "stochastic": shape.stochastic,
-        "mean_accepted_length": spec_stats.mean_accepted_length,
-        "accepted_histogram": spec_stats.accepted_histogram,
-        "num_rounds": spec_stats.num_rounds,
-        "num_rounds_drafts_behind": spec_stats.num_rounds_drafts_behind,
-        "num_rounds_exploring": spec_stats.num_rounds_exploring,
-        "num_generated_tokens": spec_stats.num_generated_tokens,
-        "tokens_per_second": spec_stats.tokens_per_second,
-        **time_breakdown(spec_stats),
-    }
-    if plain_stats is None:
-        return record
-    record.update(
-        {
-            "baseline_tokens_per_second": plain_stats.tokens_per_second,
-            "speedup": spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9),
-            **time_breakdown(plain_stats, prefix="baseline_"),
-        }
-    )
-    record["decode_speedup"] = record["decode_tokens_per_second"] / max(
-        record["baseline_decode_tokens_per_second"], 1e-9
-    )
-    return record
 
 
 def _warmup_params(params: SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=params.temperature, max_new_tokens=min(4, params.max_new_tokens)
     )
-
-
-def time_breakdown(stats: EngineStats, *, prefix: str = "") -> dict:
-    """Where the decoding time went: wall seconds, the prefills' and rounds' seconds (GPU time
-    on CUDA), the mean round in milliseconds, the wall time outside both (host work the GPU
-    waited for, tokenization, the last round launched after a request ended), and the tokens
-    per second of the rounds alone (every token but each request's first, which its prefill
-    samples)."""
-    round_tokens = stats.num_generated_tokens - stats.num_requests
-    return {
-        f"{prefix}decode_tokens_per_second": round_tokens / max(stats.round_seconds, 1e-9),
-        f"{prefix}wall_seconds": stats.decode_seconds,
-        f"{prefix}prefill_seconds": stats.prefill_seconds,
-        f"{prefix}round_seconds": stats.round_seconds,
-        f"{prefix}round_ms": 1e3 * stats.round_seconds / max(stats.num_rounds, 1),
-        f"{prefix}other_seconds": stats.decode_seconds
-        - stats.prefill_seconds
-        - stats.round_seconds,
-    }
-
-
-def format_table(records: list[dict]) -> str:
-    """One row per tree shape (or policy), temperature and batch size: accepted length,
-    tokens/s with and without the head (wall time, prefills included), the mean round and
-    plain step, the speed-up of the rounds alone ('-' without plain decoding), and the rounds
-    run, those that left the drafts behind and those the policy ran to explore."""
-    header = (
-        f"{'tree':>18} {'temp':>6} {'batch':>5} {'accept len':>10} {'+-95%':>6} {'spec tok/s':>11} "
-        f"{'plain tok/s':>12} {'speedup':>8} {'round ms':>9} {'step ms':>8} "
-        f"{'decode speedup':>15} {'rounds':>7} {'behind':>7} {'explored':>8}"
-    )
-    rows = [header, "-" * len(header)]
-    for r in records:
-        plain_tps = _cell(r, "baseline_tokens_per_second", 12, ".1f")
-        speedup, step_ms = (
-            _cell(r, "speedup", 7, ".3f", "x"),
-            _cell(r, "baseline_round_ms", 8, ".3f"),
-        )
-        decode_speedup = _cell(r, "decode_speedup", 14, ".3f", "x")
-        rows.append(
-            f"{tree_label(r):>18} {r['temperature']:>6.2f} {r.get('batch_size', 1):>5} "
-            f"{r['mean_accepted_length']:>10.2f} {_half_width(r):>6} "
-            f"{r['tokens_per_second']:>11.1f} {plain_tps} {speedup} {r['round_ms']:>9.3f} "
-            f"{step_ms} {decode_speedup} {r['num_rounds']:>7} "
-            f"{r['num_rounds_drafts_behind']:>7} {r['num_rounds_exploring']:>8}"
-        )
-    return "\n".join(rows)
-
-
-def _cell(record: dict, key: str, width: int, spec: str, suffix: str = "") -> str:
-    """A plain-decoding column: '-' where the point measured none (--no-plain)."""
-    if key not in record:
-        return f"{'-':>{width + len(suffix)}}"
-    return f"{record[key]:>{width}{spec}}{suffix}"
-
-
-def _half_width(record: dict) -> str:
-    stderr = record.get("accepted_length_stderr")
-    return "n/a" if stderr is None else f"{Z95 * stderr:.2f}"
-
-
-def format_category_table(records: list[dict]) -> str:
-    """One row per point with categories, one column per category: mean accepted length."""
-    categorised = [r for r in records if "accepted_length_by_category" in r]
-    names = sorted({c for r in categorised for c in r["accepted_length_by_category"]})
-    width = max(10, *(len(name) for name in names))
-    header = f"{'tree':>18} {'temp':>6} {'batch':>5} " + " ".join(f"{n:>{width}}" for n in names)
-    rows = ["accepted length (tokens per round) by category", header, "-" * len(header)]
-    for r in categorised:
-        lengths = r["accepted_length_by_category"]
-        cells = [f"{lengths[n]:>{width}.2f}" if n in lengths else " " * width for n in names]
-        rows.append(
-            f"{tree_label(r):>18} {r['temperature']:>6.2f} {r.get('batch_size', 1):>5} "
-            + " ".join(cells)
-        )
-    return "\n".join(rows)

@@ -24,7 +24,8 @@ from specrun.runtime.engine import Engine
 from specrun.runtime.stats import RequestStats
 from specrun.runtime.tree import TreeShape
 from specrun.tools.cli import main
-from specrun.tools.eval import category_fields, filled, measure
+from specrun.tools.eval import filled, measure
+from specrun.tools.eval_report import category_fields
 from specrun.tools.eval_stats import accepted_length, prompts_digest
 from tiny_models import random_head, random_llama, tiny_config
 
