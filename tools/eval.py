@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
                         **record,
                         "batch_size": batch_size,
                         "repeats": args.repeats,
-                        **category_fields(request_categories, per_request),
+                        **category_fields(request_categories, per_request, request_prompts),
                         **_policy_fields(spec, policy, per_request),
                         **error_fields(per_request, request_prompts, digest),
                         **({"plain_floor": floors[temperature, batch_size]} if floors else {}),

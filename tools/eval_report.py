@@ -16,27 +16,28 @@ from .eval_stats import Z95, accepted_length
 
 
 def category_fields(
-    categories: list[str | None], per_request: list[RequestStats]
-) -> dict[str, dict[str, float | int]]:
+    categories: list[str | None], per_request: list[RequestStats], request_prompts: list[int]
+) -> dict[str, dict[str, float | int | None]]:
     """Per category (requests without one left out): the mean accepted length, pooled over
     its requests' rounds as the overall mean is ((accepted draft tokens + rounds) / rounds),
-    its rounds and its requests. No fields when no request has a category."""
-    rounds: dict[str, int] = {}
-    tokens: dict[str, int] = {}
-    requests: dict[str, int] = {}
-    for category, stats in zip(categories, per_request, strict=True):
+    its standard error over the category's prompts (None for one prompt), its rounds and
+    its requests. No fields when no request has a category."""
+    requests: dict[str, list[list[int]]] = {}
+    prompts: dict[str, list[int]] = {}
+    for category, stats, prompt in zip(categories, per_request, request_prompts, strict=True):
         if category is None:
             continue
-        rounds[category] = rounds.get(category, 0) + stats.num_rounds
-        tokens[category] = tokens.get(category, 0) + stats.num_accepted + stats.num_rounds
-        requests[category] = requests.get(category, 0) + 1
+        requests.setdefault(category, []).append([stats.num_rounds, stats.num_accepted])
+        prompts.setdefault(category, []).append(prompt)
     if not requests:
         return {}
     names = sorted(requests)
+    estimates = {c: accepted_length(requests[c], prompts[c]) for c in names}
     return {
-        "accepted_length_by_category": {c: tokens[c] / max(rounds[c], 1) for c in names},
-        "rounds_by_category": {c: rounds[c] for c in names},
-        "requests_by_category": {c: requests[c] for c in names},
+        "accepted_length_by_category": {c: estimates[c].value for c in names},
+        "accepted_length_stderr_by_category": {c: estimates[c].stderr for c in names},
+        "rounds_by_category": {c: sum(r for r, _ in requests[c]) for c in names},
+        "requests_by_category": {c: len(requests[c]) for c in names},
     }
 
 
@@ -154,21 +155,31 @@ def _cell(record: dict, key: str, width: int, spec: str, suffix: str = "") -> st
     return f"{record[key]:>{width}{spec}}{suffix}"
 
 
+def _with_interval(value: float, stderr: float | None) -> str:
+    return f"{value:.2f}" if stderr is None else f"{value:.2f}+-{Z95 * stderr:.2f}"
+
+
 def _half_width(record: dict) -> str:
     stderr = record.get("accepted_length_stderr")
     return "n/a" if stderr is None else f"{Z95 * stderr:.2f}"
 
 
 def format_category_table(records: list[dict]) -> str:
-    """One row per point with categories, one column per category: mean accepted length."""
+    """One row per point with categories, one column per category: mean accepted length and
+    its 95% interval's half-width over the category's prompts."""
     categorised = [r for r in records if "accepted_length_by_category" in r]
     names = sorted({c for r in categorised for c in r["accepted_length_by_category"]})
     width = max(10, *(len(name) for name in names))
     header = f"{'tree':>18} {'temp':>6} {'batch':>5} " + " ".join(f"{n:>{width}}" for n in names)
-    rows = ["accepted length (tokens per round) by category", header, "-" * len(header)]
+    title = "accepted length (tokens per round) by category, +-95% over its prompts"
+    rows = [title, header, "-" * len(header)]
     for r in categorised:
         lengths = r["accepted_length_by_category"]
-        cells = [f"{lengths[n]:>{width}.2f}" if n in lengths else " " * width for n in names]
+        errors = r.get("accepted_length_stderr_by_category", {})
+        cells = [
+            f"{_with_interval(lengths[n], errors.get(n)):>{width}}" if n in lengths else " " * width
+            for n in names
+        ]
         rows.append(
             f"{tree_label(r):>18} {r['temperature']:>6.2f} {r.get('batch_size', 1):>5} "
             + " ".join(cells)

@@ -395,13 +395,19 @@ def test_eval_policies_can_choose_among_the_default_trees(model_dir, prompts_fil
 
 def test_category_fields_pool_each_category_over_its_rounds():
     per_request = [RequestStats(4, 6), RequestStats(2, 0), RequestStats(3, 3), RequestStats(5, 1)]
-    fields = category_fields(["math", None, "math", "coding"], per_request)
+    fields = category_fields(["math", None, "math", "coding"], per_request, [0, 1, 2, 3])
+    math_error = accepted_length([[4, 6], [3, 3]], [0, 2]).stderr
     assert fields == {
         "accepted_length_by_category": {"coding": 6 / 5, "math": (6 + 3 + 4 + 3) / (4 + 3)},
+        "accepted_length_stderr_by_category": {"coding": None, "math": math_error},
         "rounds_by_category": {"coding": 5, "math": 7},
         "requests_by_category": {"coding": 1, "math": 2},
     }
-    assert category_fields([None, None], per_request[:2]) == {}
+    assert math_error > 0
+    # A prompt repeated within its category is one prompt: one value, no error.
+    repeated = category_fields(["math", "math"], per_request[:2], [0, 0])
+    assert repeated["accepted_length_stderr_by_category"] == {"math": None}
+    assert category_fields([None, None], per_request[:2], [0, 1]) == {}
     assert filled(["a", "b", "c"], 4) == ["a", "b", "c", "a"] and filled(["a"], 1) == ["a"]
 
 
@@ -424,7 +430,7 @@ def test_eval_reports_accepted_length_per_category(model_dir, tmp_path, capsys):
         pooled = sum(lengths[c] * rounds[c] for c in rounds) / sum(rounds.values())
         assert pooled == pytest.approx(record["mean_accepted_length"])
     out = capsys.readouterr().out
-    assert "accepted length (tokens per round) by category" in out
+    assert "accepted length (tokens per round) by category, +-95%" in out
     assert out.count(" math ") == 1 and out.count(" stem") == 1
 
 
