@@ -3,7 +3,8 @@ between two CUDA events (on the CPU, of eager calls on the host clock), and the 
 step launches under the profiler (how many, their summed time, the costliest by name, and the
 GPU's idle time between them).
 
-Used by `specrun bench decode` (tools/decode_bench.py) and tools/collectives.py.
+Used by `specrun bench decode` (tools/decode_bench.py), tools/collectives.py and `specrun
+bench train-draft --profile-steps` (tools/train_bench.py).
 """
 
 from __future__ import annotations

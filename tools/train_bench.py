@@ -9,7 +9,9 @@ train-draft run as they would for the real model:
   chunks after the first, which compiles and captures;
 - training: `train_step` on those sequences (the target's forward over the batch, the head
   unrolled `--ttt-steps` times, one AdamW step), timed after `--warmup-steps`, with the peak
-  GPU memory of the training phase.
+  GPU memory of the training phase; with `--profile-steps` (CUDA) that many more steps run
+  under the profiler: the kernels a step launches, their summed time, the GPU's idle share
+  and the costliest kernels, which say whether a step waits on the host or on the GPU.
 
 The rates give a recipe's time: answering P prompts takes P / prompts-per-second, training
 S steps S / steps-per-second (README, "Training a head for your own Llama").
@@ -31,6 +33,7 @@ from ..runtime.distill.heads import build_head
 from ..runtime.distill.trainer import TrainConfig, new_optimizer, train_step
 from .bench_env import environment
 from .random_models import SHAPES, random_target
+from .round_timing import idle_fraction, kernel_table, profile_kernels
 
 
 def register(subjects: argparse._SubParsersAction) -> None:
@@ -52,6 +55,11 @@ def register(subjects: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--draft-vocab", type=int, default=None, help="default: the shapes' EAGLE-3 head's"
     )
+    parser.add_argument(
+        "--profile-steps", type=int, default=0,
+        help="then profile this many more training steps (CUDA): kernels, GPU idle share",
+    )  # fmt: skip
+    parser.add_argument("--top-kernels", type=int, default=20, help="costliest kernels listed")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--json", default=None, help="also write the JSON line here")
     parser.set_defaults(func=run_train_bench)
@@ -67,6 +75,11 @@ def run_train_bench(args: argparse.Namespace) -> int:
     )
     engine_config = EngineConfig(device=args.device)
     device = str(engine_config.resolved_device())
+    if args.profile_steps < 0 or (args.profile_steps and not device.startswith("cuda")):
+        raise ValueError(
+            f"--profile-steps profiles CUDA kernels: give a count >= 0 and a CUDA device "
+            f"(got {args.profile_steps} on {device})"
+        )
     draft_vocab = args.draft_vocab or shapes.draft_vocab_size
     train_config = TrainConfig(
         kind=args.kind,
@@ -87,6 +100,8 @@ def run_train_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         generate_batch_size=args.generate_batch_size,
         num_warmup_steps=args.warmup_steps,
+        num_profile_steps=args.profile_steps,
+        num_top_kernels=args.top_kernels,
     )
     point = {"model": shapes.description + ", random weights"} | point | environment(device)
     line = json.dumps(point)
@@ -121,6 +136,8 @@ def train_bench_point(
     max_new_tokens: int,
     generate_batch_size: int,
     num_warmup_steps: int,
+    num_profile_steps: int = 0,
+    num_top_kernels: int = 20,
     seed: int = 0,
 ) -> dict:
     """Answering and training rates of a random target of `target_config`'s shapes (see the
@@ -140,7 +157,12 @@ def train_bench_point(
         target, prompts, max_new_tokens=max_new_tokens, batch_size=generate_batch_size
     )
     training = _time_training(
-        target, answering.pop("sequences"), train_config, num_warmup_steps=num_warmup_steps
+        target,
+        answering.pop("sequences"),
+        train_config,
+        num_warmup_steps=num_warmup_steps,
+        num_profile_steps=num_profile_steps,
+        num_top_kernels=num_top_kernels,
     )
     return (
         {
@@ -190,9 +212,16 @@ def _time_answering(
 
 
 def _time_training(
-    target, sequences: Sequence[TrainingSequence], config: TrainConfig, *, num_warmup_steps: int
+    target,
+    sequences: Sequence[TrainingSequence],
+    config: TrainConfig,
+    *,
+    num_warmup_steps: int,
+    num_profile_steps: int = 0,
+    num_top_kernels: int = 20,
 ) -> dict:
-    """Run config.num_steps training steps; the rate counts those after the warm-up."""
+    """Run config.num_steps training steps; the rate counts those after the warm-up. Then
+    `num_profile_steps` more (the last step's batch again) under the profiler."""
     on_cuda = next(target.parameters()).is_cuda
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -212,12 +241,27 @@ def _time_training(
             f"this device beside the target; lower --batch-size or --max-length ({error})"
         ) from error
     seconds = time.perf_counter() - started
-    return {
+    point = {
         "num_sequences": len(sequences),
         "head_params": sum(p.numel() for p in head.parameters()),
         "train_steps": config.num_steps - num_warmup_steps,
         "train_steps_per_s": (config.num_steps - num_warmup_steps) / seconds,
         "train_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
+    }
+    if num_profile_steps == 0:
+        return point
+
+    def step() -> None:
+        train_step(head, target, optimizer, sequences, config.num_steps - 1, config=config)
+
+    kernels = profile_kernels(step, num_rounds=num_profile_steps, host_loop=False)
+    table = kernel_table(kernels, num_rounds=num_profile_steps, top=num_top_kernels)
+    return point | {
+        "train_profile_steps": num_profile_steps,
+        "train_gpu_idle": idle_fraction(kernels),
+        "train_kernels_per_step": table["kernels_per_round"],
+        "train_kernel_ms_per_step": table["kernel_us_per_round"] / 1e3,
+        "train_top_kernels": table["top_kernels"],
     }
 
 
@@ -235,4 +279,21 @@ def summary(point: dict) -> str:
         f"{point['train_steps_per_s']:.2f} steps/s, "
         f"{1000 / point['train_steps_per_s'] / 60:.1f} min per 1000 steps"
         + (f", peak {peak:.1f} GiB" if peak is not None else "")
+        + _profile_summary(point)
     )
+
+
+def _profile_summary(point: dict) -> str:
+    """The profiled steps' kernels, time in them against the step's, and the costliest."""
+    if "train_profile_steps" not in point:
+        return ""
+    idle = point["train_gpu_idle"]
+    lines = [
+        f"\nprofiled step: {point['train_kernels_per_step']:.0f} kernels, "
+        f"{point['train_kernel_ms_per_step']:.1f} ms in kernels against "
+        f"{1e3 / point['train_steps_per_s']:.1f} ms a step"
+        + (f", GPU idle {idle:.0%} of the profiled span" if idle is not None else "")
+    ]
+    for name, launches, micros in point["train_top_kernels"]:
+        lines.append(f"  {micros / 1e3:8.2f} ms {launches:6.0f}x  {name}")
+    return "\n".join(lines)

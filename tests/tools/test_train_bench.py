@@ -31,6 +31,25 @@ def test_answering_and_training_rates_of_a_tiny_target(kind):
     assert point["train_peak_gib"] is None and point["head_params"] > 0
     assert point["kind"] == kind and point["draft_vocab"] == config.draft_vocab_size
     assert "steps/s" in summary(point) and "prompts/s" in summary(point)
+    assert "profiled step" not in summary(point)
+
+
+def test_summary_lists_a_profiled_steps_kernels():
+    point = {
+        "answer_tokens_per_s": 100.0, "answer_prompts_per_s": 2.0, "generate_batch_size": 8,
+        "max_new_tokens": 16, "answer_first_chunk_s": 3.0, "kind": "eagle3",
+        "train_batch_size": 4, "max_length": 32, "ttt_steps": 2, "train_steps_per_s": 5.0,
+        "train_peak_gib": 1.5, "train_profile_steps": 2, "train_gpu_idle": 0.75,
+        "train_kernels_per_step": 812.0, "train_kernel_ms_per_step": 50.0,
+        "train_top_kernels": [["gemm_a", 14.0, 20000.0], ["softmax_b", 7.0, 9000.0]],
+    }  # fmt: skip
+    lines = summary(point).splitlines()
+    assert lines[2] == (
+        "profiled step: 812 kernels, 50.0 ms in kernels against 200.0 ms a step, "
+        "GPU idle 75% of the profiled span"
+    )
+    assert lines[3].split() == ["20.00", "ms", "14x", "gemm_a"]
+    assert lines[4].split() == ["9.00", "ms", "7x", "softmax_b"]
 
 
 @pytest.mark.parametrize(
@@ -39,6 +58,7 @@ def test_answering_and_training_rates_of_a_tiny_target(kind):
         (["--prompts", "100", "--generate-batch-size", "64"], "at least twice"),
         (["--steps", "0"], "--steps"),
         (["--warmup-steps", "-1"], "--warmup-steps"),
+        (["--profile-steps", "2"], "--profile-steps profiles CUDA kernels"),
     ],
 )
 def test_bad_counts_are_refused_before_any_model_is_built(argv, message, capsys):
