@@ -6,6 +6,7 @@ import torch
 
 from specrun.runtime.distill.trainer import TrainConfig
 from specrun.tools.cli import main
+from specrun.tools.round_timing import KernelSpan
 from specrun.tools.train_bench import summary, train_bench_point
 from tiny_models import tiny_config
 
@@ -32,6 +33,33 @@ def test_answering_and_training_rates_of_a_tiny_target(kind):
     assert point["kind"] == kind and point["draft_vocab"] == config.draft_vocab_size
     assert "steps/s" in summary(point) and "prompts/s" in summary(point)
     assert "profiled step" not in summary(point)
+
+
+def test_profiled_steps_report_their_kernels(monkeypatch):
+    """--profile-steps: that many more steps run through the profiler (here a stand-in that
+    runs them and reports two kernels a step), and the point holds their table."""
+    calls = []
+
+    def profile_kernels(run, *, num_rounds, host_loop):
+        spans = []
+        for i in range(num_rounds):
+            run()
+            calls.append(i)
+            spans += [
+                KernelSpan("gemm", 100.0 * i, 100.0 * i + 30),
+                KernelSpan("add", 100.0 * i + 40, 100.0 * i + 50),
+            ]
+        return spans
+
+    monkeypatch.setattr("specrun.tools.train_bench.profile_kernels", profile_kernels)
+    config = TrainConfig(num_steps=2, batch_size=2, draft_vocab_size=40, max_length=16)
+    point = _tiny_point(config, num_prompts=4, max_new_tokens=2, num_profile_steps=3)
+    assert calls == [0, 1, 2] and point["train_profile_steps"] == 3
+    assert point["train_kernels_per_step"] == 2
+    assert point["train_kernel_ms_per_step"] == pytest.approx(0.04)
+    assert point["train_top_kernels"] == [["gemm", 1.0, 30.0], ["add", 1.0, 10.0]]
+    assert point["train_gpu_idle"] == pytest.approx(1 - 120 / 250)
+    assert "profiled step: 2 kernels" in summary(point)
 
 
 def test_summary_lists_a_profiled_steps_kernels():
@@ -76,7 +104,9 @@ def test_training_that_runs_out_of_memory_says_what_to_lower(monkeypatch):
         _tiny_point(config, num_prompts=4, max_new_tokens=2)
 
 
-def _tiny_point(config: TrainConfig, *, num_prompts: int, max_new_tokens: int) -> dict:
+def _tiny_point(
+    config: TrainConfig, *, num_prompts: int, max_new_tokens: int, num_profile_steps: int = 0
+) -> dict:
     return train_bench_point(
         tiny_config(num_layers=4),
         config,
@@ -87,4 +117,5 @@ def _tiny_point(config: TrainConfig, *, num_prompts: int, max_new_tokens: int) -
         max_new_tokens=max_new_tokens,
         generate_batch_size=2,
         num_warmup_steps=1,
+        num_profile_steps=num_profile_steps,
     )
