@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
                         "repeats": args.repeats,
                         **category_fields(request_categories, per_request, request_prompts),
                         **_policy_fields(spec, policy, per_request),
-                        **error_fields(per_request, request_prompts, digest),
+                        **error_fields(per_request, request_prompts, request_categories, digest),
                         **({"plain_floor": floors[temperature, batch_size]} if floors else {}),
                     }
                 )

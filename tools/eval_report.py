@@ -41,14 +41,22 @@ def category_fields(
     }
 
 
-def error_fields(per_request: list[RequestStats], request_prompts: list[int], digest: str) -> dict:
-    """The accepted length's standard error over prompts, each request's prompt index (in
-    the order of `requests`) and the prompts' digest: what `--compare` pairs two runs by."""
+def error_fields(
+    per_request: list[RequestStats],
+    request_prompts: list[int],
+    request_categories: list[str | None],
+    digest: str,
+) -> dict:
+    """The accepted length's standard error over prompts, each request's prompt index and
+    category (in the order of `requests`; categories only when the prompts have them) and
+    the prompts' digest: what `--compare` pairs two runs by."""
     requests = [[r.num_rounds, r.num_accepted] for r in per_request]
     estimate = accepted_length(requests, request_prompts)
+    categories = {"request_categories": request_categories} if any(request_categories) else {}
     return {
         "accepted_length_stderr": estimate.stderr,
         "request_prompts": request_prompts,
+        **categories,
         "prompts_digest": digest,
     }
 

@@ -7,7 +7,8 @@ filled by repeating prompts) form one cluster, since greedy repeats decode the s
 and rounds within a request are far from independent. Over `builtin:broad` the prompts,
 not the head, make most of that error (about 0.09 tokens per round over 96 prompts), so
 two heads compare on the same prompts paired: each prompt's contribution to both runs'
-ratio is differenced before the error is taken (`specrun eval --compare BASE NEW`).
+ratio is differenced before the error is taken (`specrun eval --compare BASE NEW`), over
+all prompts and over each category's.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def read_records(path: Path) -> list[dict]:
 
 def compare_runs(base: list[dict], new: list[dict]) -> list[dict]:
     """Every point both runs measured: base and new accepted length, and the paired
-    difference with its 95% half-width."""
+    difference with its 95% half-width, in all and per category (`by_category`, empty when
+    the prompts have none)."""
     base_points = {point_key(r): r for r in base}
     rows = []
     for record in new:
@@ -151,6 +153,7 @@ def compare_runs(base: list[dict], new: list[dict]) -> list[dict]:
                 "difference": difference.value,
                 "difference_half_width": difference.half_width,
                 "num_prompts": difference.num_prompts,
+                "by_category": _compare_categories(other, record),
             }
         )
     if not rows:
@@ -161,24 +164,64 @@ def compare_runs(base: list[dict], new: list[dict]) -> list[dict]:
     return rows
 
 
+def _compare_categories(base: dict, new: dict) -> dict[str, dict]:
+    """Per category (when both runs recorded their requests' categories): both accepted
+    lengths and the paired difference with its 95% half-width, over that category's
+    prompts."""
+    if "request_categories" not in base or "request_categories" not in new:
+        return {}
+    found = {}
+    for category in sorted({c for c in new["request_categories"] if c is not None}):
+        base_part, new_part = (_category_part(run, category) for run in (base, new))
+        difference = accepted_length_difference(base_part, new_part)
+        found[category] = {
+            "base_accepted_length": accepted_length(
+                base_part["requests"], base_part["request_prompts"]
+            ).value,
+            "accepted_length": accepted_length(
+                new_part["requests"], new_part["request_prompts"]
+            ).value,
+            "difference": difference.value,
+            "difference_half_width": difference.half_width,
+            "num_prompts": difference.num_prompts,
+        }
+    return found
+
+
+def _category_part(record: dict, category: str) -> dict:
+    """`record` cut to the requests of one category (what `accepted_length_difference`
+    reads)."""
+    keep = [i for i, c in enumerate(record["request_categories"]) if c == category]
+    return {
+        "requests": [record["requests"][i] for i in keep],
+        "request_prompts": [record["request_prompts"][i] for i in keep],
+        "prompts_digest": record["prompts_digest"],
+    }
+
+
 def format_comparison(rows: list[dict]) -> str:
     """One line per shared point: both accepted lengths, the difference and its 95%
-    interval's half-width."""
+    interval's half-width; under it one line per category when the runs have them."""
     header = (
-        f"{'tree':>18} {'temp':>6} {'batch':>5} {'prompts':>7} {'base':>7} {'new':>7} "
-        f"{'new-base':>9} {'+-95%':>7}"
+        f"{'tree / category':>18} {'temp':>6} {'batch':>5} {'prompts':>7} {'base':>7} "
+        f"{'new':>7} {'new-base':>9} {'+-95%':>7}"
     )
     lines = ["accepted length (tokens per round), paired by prompt", header, "-" * len(header)]
     for row in rows:
-        tree = tree_label(row)
-        width = row["difference_half_width"]
-        lines.append(
-            f"{tree:>18} {row['temperature']:>6.2f} {row['batch_size']:>5} "
-            f"{row['num_prompts']:>7} {row['base_accepted_length']:>7.3f} "
-            f"{row['accepted_length']:>7.3f} {row['difference']:>+9.3f} "
-            + (f"{width:>7.3f}" if width is not None else f"{'n/a':>7}")
-        )
+        point = f"{tree_label(row):>18} {row['temperature']:>6.2f} {row['batch_size']:>5}"
+        lines.append(f"{point} {_comparison_cells(row)}")
+        for category, entry in row["by_category"].items():
+            lines.append(f"{category:>18} {'':>6} {'':>5} {_comparison_cells(entry)}")
     return "\n".join(lines)
+
+
+def _comparison_cells(entry: dict) -> str:
+    width = entry["difference_half_width"]
+    return (
+        f"{entry['num_prompts']:>7} {entry['base_accepted_length']:>7.3f} "
+        f"{entry['accepted_length']:>7.3f} {entry['difference']:>+9.3f} "
+        + (f"{width:>7.3f}" if width is not None else f"{'n/a':>7}")
+    )
 
 
 def run_compare(base_path: Path, new_path: Path) -> list[dict]:

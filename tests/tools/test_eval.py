@@ -425,6 +425,7 @@ def test_eval_reports_accepted_length_per_category(model_dir, tmp_path, capsys):
     assert points == [(0, 1), (0, 2), (1, 1), (1, 2)]
     for record in records:
         assert record["requests_by_category"] == {"math": 2, "stem": 1}
+        assert record["request_categories"] == ["math", "stem", "math"]
         lengths, rounds = record["accepted_length_by_category"], record["rounds_by_category"]
         assert sum(rounds.values()) == sum(record["accepted_histogram"])
         pooled = sum(lengths[c] * rounds[c] for c in rounds) / sum(rounds.values())
@@ -471,7 +472,7 @@ def test_eval_compare_pairs_two_runs_by_prompt(model_dir, prompts_file, tmp_path
     options = ["--temperatures", "0", "--max-new-tokens", "8", "--ignore-eos"]
     options += ["--trees", "3,2,5", "--batch-sizes", "4"]
     [record] = _eval_records(model_dir, prompts_file, tmp_path, *options)
-    assert record["request_prompts"] == [0, 1, 2, 0]
+    assert record["request_prompts"] == [0, 1, 2, 0] and "request_categories" not in record
     assert record["prompts_digest"] == prompts_digest(["t5 t17 t3", [9, 41, 2, 77], "t60 t1"])
     expected = accepted_length(record["requests"], record["request_prompts"])
     assert record["accepted_length_stderr"] == pytest.approx(expected.stderr)

@@ -14,6 +14,7 @@ from specrun.tools.eval_stats import (
     accepted_length,
     accepted_length_difference,
     compare_runs,
+    format_comparison,
     prompts_digest,
 )
 
@@ -133,3 +134,29 @@ def test_compare_refuses_runs_it_cannot_pair():
 def test_prompts_digest_depends_on_the_prompts_and_their_order():
     assert prompts_digest(["a", [1, 2]]) == prompts_digest(["a", (1, 2)])
     assert prompts_digest(["a", "b"]) != prompts_digest(["b", "a"])
+
+
+def test_compare_pairs_each_category_over_its_own_prompts():
+    """A head better only on "a" prompts: category a's difference is all of it, b's is
+    zero with no error, and each equals the paired difference over that category alone."""
+    rng = random.Random(5)
+    base = _random_requests(rng, 40)
+    categories = ["a", "b"] * 20
+    new = [[r, a + (r // 4 if c == "a" else 0)] for (r, a), c in zip(base, categories, strict=True)]
+    base_record = {**_record(base), "request_categories": categories}
+    new_record = {**_record(new), "request_categories": categories}
+    [row] = compare_runs([base_record], [new_record])
+    assert sorted(row["by_category"]) == ["a", "b"]
+    a, b = row["by_category"]["a"], row["by_category"]["b"]
+    only_a = accepted_length_difference(
+        _record([base[i] for i in range(0, 40, 2)]), _record([new[i] for i in range(0, 40, 2)])
+    )
+    assert a["difference"] == pytest.approx(only_a.value) and a["difference"] > 0.2
+    assert a["difference_half_width"] == pytest.approx(only_a.half_width)
+    assert (b["difference"], b["difference_half_width"], b["num_prompts"]) == (0.0, 0.0, 20)
+    assert a["base_accepted_length"] == pytest.approx(
+        accepted_length([base[i] for i in range(0, 40, 2)], list(range(20))).value
+    )
+    assert compare_runs([_record(base)], [_record(new)])[0]["by_category"] == {}
+    table = format_comparison([row]).splitlines()
+    assert [line.split()[0] for line in table[3:]] == ["6,8,40,s", "a", "b"]
