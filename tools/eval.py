@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
                         "batch_size": batch_size,
                         "repeats": args.repeats,
                         **category_fields(request_categories, per_request, request_prompts),
-                        **_policy_fields(spec, policy, per_request),
+                        **_policy_fields(spec, policy),
                         **error_fields(per_request, request_prompts, request_categories, digest),
                         **({"plain_floor": floors[temperature, batch_size]} if floors else {}),
                     }
@@ -335,13 +335,11 @@ def measure(
     return (stats if profile is None else charged(stats, profile)), per_request
 
 
-def _policy_fields(spec: Engine, policy: str, per_request: list[RequestStats]) -> dict:
-    """What a point adds about the policy: what it took each round to cost when the point
+def _policy_fields(spec: Engine, policy: str) -> dict:
+    """What an adaptive policy's point adds: what it took each round to cost when the point
     ended (beside the fixed trees' measured round_ms: whether its choices followed from wrong
-    costs), and each request's (rounds, accepted drafts) in the order `measure` returns them
-    (what a live run and a replay of it, --cost-profile, compare request by request)."""
-    costs = {"policy_round_ms": spec.round_costs()} if policy != "fixed" else {}
-    return {**costs, "requests": [[r.num_rounds, r.num_accepted] for r in per_request]}
+    costs)."""
+    return {"policy_round_ms": spec.round_costs()} if policy != "fixed" else {}
 
 
 def charged(stats: EngineStats, profile: cost_profile.CostProfile) -> EngineStats:

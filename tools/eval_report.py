@@ -47,14 +47,17 @@ def error_fields(
     request_categories: list[str | None],
     digest: str,
 ) -> dict:
-    """The accepted length's standard error over prompts, each request's prompt index and
-    category (in the order of `requests`; categories only when the prompts have them) and
-    the prompts' digest: what `--compare` pairs two runs by."""
+    """The accepted length's standard error over prompts; each request's (rounds, accepted
+    drafts) in the order `measure` returns them (what a live run and its replay,
+    --cost-profile, compare request by request), with its prompt index and category
+    (categories only when the prompts have them); and the prompts' digest: what `--compare`
+    pairs two runs by."""
     requests = [[r.num_rounds, r.num_accepted] for r in per_request]
     estimate = accepted_length(requests, request_prompts)
     categories = {"request_categories": request_categories} if any(request_categories) else {}
     return {
         "accepted_length_stderr": estimate.stderr,
+        "requests": requests,
         "request_prompts": request_prompts,
         **categories,
         "prompts_digest": digest,

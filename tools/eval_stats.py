@@ -96,6 +96,11 @@ def accepted_length(requests: Sequence[Sequence[int]], request_prompts: Sequence
 def accepted_length_difference(base: dict, new: dict) -> Estimate:
     """`new`'s accepted length minus `base`'s, two records of the same point over the same
     prompts, with the standard error of the difference paired by prompt."""
+    return _paired(base, new)[2]
+
+
+def _paired(base: dict, new: dict) -> tuple[float, float, Estimate]:
+    """Both records' pooled accepted lengths and their paired difference."""
     for record, name in ((base, "base"), (new, "new")):
         if "request_prompts" not in record or "prompts_digest" not in record:
             raise ValueError(
@@ -115,7 +120,20 @@ def accepted_length_difference(base: dict, new: dict) -> Estimate:
     base_ratio, base_parts = _contributions(base_totals, prompts)
     new_ratio, new_parts = _contributions(new_totals, prompts)
     paired = [n - b for n, b in zip(new_parts, base_parts, strict=True)]
-    return Estimate(new_ratio - base_ratio, _stderr(paired), len(prompts))
+    return base_ratio, new_ratio, Estimate(new_ratio - base_ratio, _stderr(paired), len(prompts))
+
+
+def _paired_entry(base: dict, new: dict) -> dict:
+    """A comparison's numbers: both accepted lengths, the difference, its 95% half-width
+    and the prompts it pairs."""
+    base_ratio, new_ratio, difference = _paired(base, new)
+    return {
+        "base_accepted_length": base_ratio,
+        "accepted_length": new_ratio,
+        "difference": difference.value,
+        "difference_half_width": difference.half_width,
+        "num_prompts": difference.num_prompts,
+    }
 
 
 def point_key(record: dict) -> tuple:
@@ -144,15 +162,10 @@ def compare_runs(base: list[dict], new: list[dict]) -> list[dict]:
         other = base_points.get(point_key(record))
         if other is None:
             continue
-        difference = accepted_length_difference(other, record)
         rows.append(
             {
                 **{key: record.get(key) for key in POINT_KEYS},
-                "base_accepted_length": other["mean_accepted_length"],
-                "accepted_length": record["mean_accepted_length"],
-                "difference": difference.value,
-                "difference_half_width": difference.half_width,
-                "num_prompts": difference.num_prompts,
+                **_paired_entry(other, record),
                 "by_category": _compare_categories(other, record),
             }
         )
@@ -170,22 +183,8 @@ def _compare_categories(base: dict, new: dict) -> dict[str, dict]:
     prompts."""
     if "request_categories" not in base or "request_categories" not in new:
         return {}
-    found = {}
-    for category in sorted({c for c in new["request_categories"] if c is not None}):
-        base_part, new_part = (_category_part(run, category) for run in (base, new))
-        difference = accepted_length_difference(base_part, new_part)
-        found[category] = {
-            "base_accepted_length": accepted_length(
-                base_part["requests"], base_part["request_prompts"]
-            ).value,
-            "accepted_length": accepted_length(
-                new_part["requests"], new_part["request_prompts"]
-            ).value,
-            "difference": difference.value,
-            "difference_half_width": difference.half_width,
-            "num_prompts": difference.num_prompts,
-        }
-    return found
+    categories = sorted({c for c in new["request_categories"] if c is not None})
+    return {c: _paired_entry(_category_part(base, c), _category_part(new, c)) for c in categories}
 
 
 def _category_part(record: dict, category: str) -> dict:
