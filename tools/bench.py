@@ -8,6 +8,10 @@ summary table.
 `specrun bench skinny-mm`: the decode step's matrix products (a few rows times each weight of
 Llama-3.1-8B), rt::skinny_mm against cuBLAS and Inductor, in bytes/s (tools/skinny_mm_bench.py).
 
+`specrun bench topk`: the draft's top-k selections (the root's and each level's children,
+the rerank), rt::topk and rt::log_softmax_topk against ATen, in microseconds
+(tools/topk_bench.py).
+
 `specrun bench gpt-fast`: gpt-fast's own decoding loop (a checkout the caller fetched, never
 vendored) on random weights at batch 1, run beside `bench decode` for the side-by-side
 (tools/gpt_fast_bench.py).
@@ -86,6 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     skinny.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
     skinny.add_argument("--json", default=None, help="write one JSON line per point here")
     skinny.set_defaults(func=run_skinny_mm)
+    register_topk(subjects)
     hf = subjects.add_parser("hf", help="transformers generate at batch 1 on a real model")
     hf.add_argument("--model", default=None, help="HF Llama directory (default: embedded)")
     hf.add_argument("--prompts", default="builtin:heldout", help="JSONL or builtin:NAME")
@@ -216,6 +221,37 @@ def run_skinny_mm(args: argparse.Namespace) -> int:
         for num_rows in args.rows
     )
     _print_points(points, env=env, json_path=args.json, row=skinny_row, header=SKINNY_HEADER)
+    return 0
+
+
+def register_topk(subjects: argparse._SubParsersAction) -> None:
+    from .topk_bench import DEFAULT_POINTS, parse_point
+
+    topk = subjects.add_parser(
+        "topk", help="rt::topk / rt::log_softmax_topk vs ATen on the draft's selections"
+    )
+    topk.add_argument(
+        "--points", type=parse_point, nargs="+", default=list(DEFAULT_POINTS),
+        metavar="ROWS,COLS,K[,lsm]",
+        help="selections to time (lsm: of the rows' log-softmax); default: the draft's for "
+        "SmolLM2-135M's and Llama-3.1-8B's heads",
+    )  # fmt: skip
+    topk.add_argument("--sweep", action="store_true", help="also time a grid of launch forms")
+    topk.add_argument("--json", default=None, help="write one JSON line per point here")
+    topk.set_defaults(func=run_topk)
+
+
+def run_topk(args: argparse.Namespace) -> int:
+    from .topk_bench import HEADER as TOPK_HEADER
+    from .topk_bench import bench_topk
+    from .topk_bench import row as topk_row
+
+    if not torch.cuda.is_available():
+        raise ValueError("bench topk needs a CUDA GPU")
+    env = environment()
+    print(json.dumps(env))
+    points = ({"op": "rt::topk"} | bench_topk(point, sweep=args.sweep) for point in args.points)
+    _print_points(points, env=env, json_path=args.json, row=topk_row, header=TOPK_HEADER)
     return 0
 
 

@@ -20,7 +20,7 @@
 #                   process; about as long as the decoder part alone)
 #   PART bench      no tests: only the benchmarks the variables below ask for
 # SPECRUN_TEST_TIMEOUT (seconds, default 540) stops pytest. SPECRUN_BENCH=1 adds the kernel benchmarks
-# (tree attention, then the skinny products); SPECRUN_BENCH_SWEEP=1 tree attention on the batch-1
+# (tree attention, the skinny products, then the draft's top-k selections); SPECRUN_BENCH_SWEEP=1 tree attention on the batch-1
 # round shapes of both models (step, draft level, verification) with the launch table against the
 # fastest of a sweep (about 2 minutes); SPECRUN_BENCH_DECODE="1 2" the decode benchmark
 # for those buckets (about 45 s of compilation per plain and 85 s per speculative bucket);
@@ -110,6 +110,8 @@ if [ -n "${SPECRUN_BENCH:-}" ]; then
         2> "$OUT/bench_kernels.err" | tee "$OUT/bench_kernels.log" | grep -v '^{'
     timeout 200 python3 -m specrun.tools.cli bench skinny-mm --json "$OUT/bench_skinny_mm.jsonl" \
         2> "$OUT/bench_skinny_mm.err" | tee "$OUT/bench_skinny_mm.log" | grep -v '^{'
+    timeout 120 python3 -m specrun.tools.cli bench topk --json "$OUT/bench_topk.jsonl" \
+        2> "$OUT/bench_topk.err" | tee "$OUT/bench_topk.log" | grep -v '^{'
 fi
 if [ -n "${SPECRUN_BENCH_GPT_FAST:-}" ]; then
     timeout 150 python3 -m specrun.tools.cli bench decode --buckets 1 --modes plain --context 128 \

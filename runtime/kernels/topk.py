@@ -8,8 +8,9 @@ in registers as int64 keys, (value, column) packed so that one max-reduction pic
 value and, among equal values, the lowest column; it takes the maximum k times, removing
 each winner:
 
-- grid (rows, chunks); each chunk of at most `MAX_CHUNK` columns gives its own top k, best
-  first: the row's answer where it has one chunk;
+- grid (rows, chunks); each chunk of at most `MAX_CHUNK` columns (the width `topk_config`
+  picks in topk_triton.py) gives its own top k, best first: the row's answer where it has
+  one chunk;
 - with more chunks, each stores its k as keys, and the row's last chunk to finish (counted
   in arrival counters, arrivals.py) selects the row's k from its chunks * k keys, in the same
   launch.

@@ -7,6 +7,8 @@ references that every other caller runs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -131,18 +133,43 @@ def _topk_kernel(
         _store_best(keys, values_ptr + out, columns_ptr + out, keys_ptr, offset, K, False)
 
 
-def _num_warps(block: int) -> int:
-    return 8 if block >= 2048 else 4
+@dataclass(frozen=True)
+class TopkConfig:
+    """One launch form: each row in chunks of `block` columns (a power of 2), a program of
+    `num_warps` warps per chunk."""
+
+    block: int
+    num_warps: int
+
+
+def topk_config(num_rows: int, num_cols: int, k: int) -> TopkConfig:
+    """The launch form for the top `k` of `num_rows` rows of `num_cols` columns, fitted to
+    `specrun bench topk --sweep` on an H200 (BENCHMARKS.md).
+
+    A program's cost is its k max-reductions, one after another, each across its warps; a
+    draft vocabulary's row (14,336 or 32,000 columns) is fastest in chunks of 512 or 1024
+    columns, merged by the last (tens of chunks, so a merge of a few hundred keys), with
+    fewer warps as rows add programs: 4 for one row, 2 up to 8 rows, 1 beyond. Rows longer
+    than 32,768 (a target's vocabulary) keep MAX_CHUNK-column chunks of 8 warps, so that
+    a merge of chunks * k keys stays small."""
+    del k
+    if num_cols > 32768:
+        return TopkConfig(block=MAX_CHUNK, num_warps=8)
+    block = 512 if num_cols <= 16384 else 1024
+    return TopkConfig(block=block, num_warps=4 if num_rows == 1 else 2 if num_rows <= 8 else 1)
 
 
 def launch_topk(
-    x: torch.Tensor, k: int, *, log_softmax: bool = False
+    x: torch.Tensor, k: int, *, log_softmax: bool = False, config: TopkConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the Triton kernels on x [R, V] (last dim contiguous). Returns values [R, k] (in x's
-    dtype; float32 log-probabilities with `log_softmax`) and columns [R, k] int64. Used by the
-    ops and by the interpreter tests."""
+    """Run the Triton kernels on x [R, V] (last dim contiguous), with `config` or the one
+    `topk_config` picks. Returns values [R, k] (in x's dtype; float32 log-probabilities with
+    `log_softmax`) and columns [R, k] int64. Used by the ops, by the interpreter tests and by
+    `specrun bench topk`."""
     num_rows, num_cols = x.shape
-    block = min(triton.next_power_of_2(num_cols), MAX_CHUNK)
+    if config is None:
+        config = topk_config(num_rows, num_cols, k)
+    block = min(triton.next_power_of_2(num_cols), config.block)
     num_chunks = triton.cdiv(num_cols, block)
     values_dtype = torch.float32 if log_softmax else x.dtype
     values = torch.empty((num_rows, k), dtype=values_dtype, device=x.device)
@@ -166,6 +193,6 @@ def launch_topk(
     wrap(_topk_kernel)[(num_rows, num_chunks)](
         x, keys, values, columns, stats, arrivals, num_cols, x.stride(0), k,
         K=k, BLOCK=block, TWO_STAGES=two_stages, LOG_SOFTMAX=log_softmax, CHUNKS=chunks,
-        MERGE_BLOCK=triton.next_power_of_2(num_chunks * k), num_warps=_num_warps(block),
+        MERGE_BLOCK=triton.next_power_of_2(num_chunks * k), num_warps=config.num_warps,
     )  # fmt: skip
     return values, columns

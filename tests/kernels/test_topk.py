@@ -133,6 +133,20 @@ def test_triton_kernel_under_interpreter():
     assert_script_passes_under_interpreter(__file__)
 
 
+@pytest.mark.parametrize("num_rows", [1, 8, 9, 64])
+@pytest.mark.parametrize("num_cols", [1, 328, 14336, 32000, 32769, 128256])
+def test_launch_forms_stay_within_the_kernels_limits(num_rows, num_cols):
+    """Every launch form: a power-of-2 chunk of at most MAX_CHUNK columns, 1-8 warps, and a
+    merge of at most 8192 keys at k = MAX_K (one program holds them in registers)."""
+    pytest.importorskip("triton")
+    from specrun.runtime.kernels.topk_triton import topk_config
+
+    config = topk_config(num_rows, num_cols, MAX_K)
+    assert config.block & (config.block - 1) == 0 and config.block <= MAX_CHUNK
+    assert config.num_warps in (1, 2, 4, 8)
+    assert -(-num_cols // config.block) * MAX_K <= 8192
+
+
 @pytest.mark.parametrize("two_stages", [False, True])
 @pytest.mark.parametrize("log_softmax", [False, True])
 def test_triton_kernel_compiles_for_hopper(two_stages, log_softmax):
@@ -167,7 +181,7 @@ def _interpret_main() -> int:
     """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference;
     the arrival counters zeroed again after each launch."""
     from specrun.runtime.kernels.arrivals import arrival_counters
-    from specrun.runtime.kernels.topk_triton import launch_topk
+    from specrun.runtime.kernels.topk_triton import TopkConfig, launch_topk
 
     failures = 0
     for i, (num_rows, num_cols, k, ties) in enumerate(INTERPRET_CASES):
@@ -183,7 +197,15 @@ def _interpret_main() -> int:
         ok = ok and not arrival_counters(x, 1).any()  # every launch leaves them zeroed
         failures += not ok
         print(f"case {i}: {num_rows}x{num_cols} k={k} ties={ties} {'ok' if ok else 'FAIL'}")
-    return 1 if failures else 0
+    # The narrowest chunks `specrun bench topk --sweep` tries: many chunks, one warp each.
+    x = make_rows((3, 1000), dtype=torch.float32, seed=9, ties=True)
+    x[:, 0] = 0.0
+    values, columns = launch_topk(x, 12, log_softmax=True, config=TopkConfig(256, 1))
+    want_values, want_columns = log_softmax_topk_ref(x, 12)
+    narrow_ok = torch.equal(columns, want_columns)
+    narrow_ok = narrow_ok and torch.allclose(values, want_values, rtol=1e-5, atol=1e-5)
+    print(f"narrow chunks: {'ok' if narrow_ok else 'FAIL'}")
+    return 1 if failures or not narrow_ok else 0
 
 
 # GPU tier ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The host side of `specrun bench kernels`, `skinny-mm` and `gpt-fast` (all time on a GPU): the
-configs a sweep tries, the benchmark grid, the summary row, and the argument checks that come
-before any device work."""
+"""The host side of `specrun bench kernels`, `skinny-mm`, `topk` and `gpt-fast` (all time on a
+GPU): the configs a sweep tries, the benchmark grid, the summary row, and the argument checks
+that come before any device work."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from specrun.tools.bench import _row as kernels_row
 from specrun.tools.cli import main
 from specrun.tools.random_models import SHAPES
 from specrun.tools.skinny_mm_bench import row, sweep_configs
+from specrun.tools.topk_bench import DEFAULT_POINTS, parse_point
+from specrun.tools.topk_bench import row as topk_row
+from specrun.tools.topk_bench import sweep_configs as topk_sweep_configs
 
 
 def test_a_sweep_tries_tensor_core_tiles_only_where_tl_dot_takes_them():
@@ -62,6 +65,38 @@ def test_a_kernels_row_shows_the_sweeps_best_config_where_one_ran():
     assert "r16" not in kernels_row(point)
     best = {"block_r": 16, "block_n": 64, "num_splits": 4}
     assert kernels_row(point | {"best_us": 7.5, "best_config": best}).endswith("7.5 r16/n64/s4")
+
+
+def test_topk_points_parse_and_sweeps_keep_merges_small():
+    point = parse_point("8,14336,8,lsm")
+    assert (point.num_rows, point.num_cols, point.k, point.log_softmax) == (8, 14336, 8, True)
+    assert not parse_point("1,328,40").log_softmax
+    pytest.importorskip("triton")
+    for each in (*DEFAULT_POINTS, parse_point("4,128256,64")):
+        configs = topk_sweep_configs(each)
+        assert configs and len(set(configs)) == len(configs)
+        assert all(-(-each.num_cols // c.block) * each.k <= 8192 for c in configs)
+    # A row no wider than 328 columns is never split into chunks wider than 512.
+    assert {c.block for c in topk_sweep_configs(parse_point("1,328,40"))} <= {256, 512}
+
+
+@pytest.mark.parametrize(("text", "message"), [("8,14336", "ROWS,COLS,K"), ("1,10,11", "1 <= K")])
+def test_bad_topk_points_are_refused_by_the_parser(text, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "topk", "--points", text])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_topk_row_shows_both_launch_forms_and_a_mismatch():
+    point = {"name": "level", "num_rows": 8, "num_cols": 14336, "k": 8, "log_softmax": True,
+             "aten_us": 90.3, "rt_us": 6.9, "best_us": 5.9, "rt_matches_aten": True,
+             "config": {"block": 512, "num_warps": 2},
+             "best_config": {"block": 256, "num_warps": 1}}  # fmt: skip
+    text = topk_row(point)
+    assert text.split()[:4] == ["level", "8x14336", "k=8", "lsm"]
+    assert "90.3" in text and "6.9" in text and text.endswith("b512 w2 best b256 w1")
+    assert topk_row(point | {"rt_matches_aten": False}).endswith("MISMATCH")
 
 
 @pytest.mark.parametrize(
