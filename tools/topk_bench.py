@@ -9,8 +9,8 @@ everything (CUDA-graph replays over rotating input copies). The contenders:
 - `aten`: `torch.topk`, after a float32 `log_softmax` for the log-probability points (what
   the draft would run without the op);
 - `rt`: the op with the launch form `topk_config` picks;
-- `rt best` (`--sweep`): the fastest of a grid of launch forms (chunk width, warps), to
-  check and refit that choice.
+- `rt best` (`--sweep`): the fastest of a grid of launch forms (chunk width, warps, k
+  max-reductions or one bitonic top-k), to check and refit that choice.
 """
 
 from __future__ import annotations
@@ -73,19 +73,26 @@ def parse_point(text: str) -> TopkPoint:
 
 def sweep_configs(point: TopkPoint) -> list:
     """The launch forms `--sweep` tries for `point` (chunks no wider than its rows' power of
-    2, merges of at most _MAX_MERGE_KEYS keys)."""
+    2, merges of at most _MAX_MERGE_KEYS keys), each selecting by max-reductions and by
+    sort."""
     import triton
 
     from ..runtime.kernels.topk_triton import TopkConfig
 
     widest = triton.next_power_of_2(point.num_cols)
+    grid = itertools.product(_SWEEP_BLOCKS, _SWEEP_WARPS, (False, True))
     configs = []
-    for block, num_warps in itertools.product(_SWEEP_BLOCKS, _SWEEP_WARPS):
+    for block, num_warps, by_sort in grid:
         num_chunks = triton.cdiv(point.num_cols, block)
         if block > widest or num_chunks * point.k > _MAX_MERGE_KEYS:
             continue
-        configs.append(TopkConfig(block=block, num_warps=num_warps))
+        configs.append(TopkConfig(block=block, num_warps=num_warps, by_sort=by_sort))
     return configs
+
+
+def form_label(config: dict) -> str:
+    """A launch form as the table writes it: b<block> w<warps>, `sort` for a bitonic one."""
+    return f"b{config['block']} w{config['num_warps']}{' sort' if config['by_sort'] else ''}"
 
 
 def _time(fn: Callable, xs: Sequence[torch.Tensor]) -> float | None:
@@ -126,7 +133,7 @@ def bench_topk(point: TopkPoint, *, sweep: bool, dtype: torch.dtype = torch.bflo
     if sweep:
         timed = [(_time(lambda x, c=c: rt(x, c), xs), c) for c in sweep_configs(point)]
         timed = [(seconds, c) for seconds, c in timed if seconds is not None]
-        result["sweep_us"] = {f"b{c.block} w{c.num_warps}": s * 1e6 for s, c in timed}
+        result["sweep_us"] = {form_label(asdict(c)): s * 1e6 for s, c in timed}
         if timed:
             seconds, config = min(timed, key=lambda pair: pair[0])
             result["best_us"] = seconds * 1e6
@@ -142,12 +149,12 @@ def row(point: dict) -> str:
         return f"{value:8.1f}" if value else "       -"
 
     best = point.get("best_config")
-    best_text = "" if best is None else f" best b{best['block']} w{best['num_warps']}"
+    best_text = "" if best is None else f" best {form_label(best)}"
     kind = "lsm" if point["log_softmax"] else "   "
     return (
         f"{point['name']:>12} {point['num_rows']:>4}x{point['num_cols']:<7} k={point['k']:<3}"
         f"{kind} {micros('aten_us')} {micros('rt_us')} {micros('best_us')}"
-        f" b{point['config']['block']} w{point['config']['num_warps']}{best_text}"
+        f" {form_label(point['config'])}{best_text}"
         f"{'' if point['rt_matches_aten'] else ' MISMATCH'}"
     )
 

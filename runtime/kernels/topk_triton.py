@@ -32,13 +32,14 @@ def _sort_key(x, column):
 
 
 @triton.jit
-def _store_key(key, values_ptr, columns_ptr, offset):
-    """Unpack one key into its value minus `offset` (in the output's dtype) and its column."""
+def _store_key(key, values_ptr, columns_ptr, offset, mask):
+    """Unpack keys (one, or a vector where `mask`) into their values minus `offset` (in the
+    output's dtype) and their columns."""
     ordered = (key >> 32).to(tl.int32)
     value = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-    tl.store(values_ptr, (value - offset).to(values_ptr.dtype.element_ty))
+    tl.store(values_ptr, (value - offset).to(values_ptr.dtype.element_ty), mask=mask)
     low_word = tl.full((), 0xFFFFFFFF, tl.int64)
-    tl.store(columns_ptr, low_word - (key & low_word))
+    tl.store(columns_ptr, low_word - (key & low_word), mask=mask)
 
 
 @triton.jit
@@ -77,7 +78,31 @@ def _store_best(keys, values_ptr, columns_ptr, keys_out_ptr, offset, K: tl.const
         if AS_KEYS:
             tl.store(keys_out_ptr + i, best)
         else:
-            _store_key(best, values_ptr + i, columns_ptr + i, offset)
+            _store_key(best, values_ptr + i, columns_ptr + i, offset, True)
+
+
+@triton.jit
+def _store_best_sorted(keys, values_ptr, columns_ptr, keys_out_ptr, offset, K: tl.constexpr,
+                       K_POW2: tl.constexpr, AS_KEYS: tl.constexpr):  # fmt: skip
+    """_store_best by one bitonic selection of the K_POW2 (K rounded up to a power of 2)
+    largest keys, best first, instead of K max-reductions one after another."""
+    best = tl.topk(keys, K_POW2)
+    i = tl.arange(0, K_POW2)
+    if AS_KEYS:
+        tl.store(keys_out_ptr + i, best, mask=i < K)
+    else:
+        _store_key(best, values_ptr + i, columns_ptr + i, offset, i < K)
+
+
+@triton.jit
+def _select(keys, values_ptr, columns_ptr, keys_out_ptr, offset, K: tl.constexpr,
+            K_POW2: tl.constexpr, AS_KEYS: tl.constexpr, BY_SORT: tl.constexpr):  # fmt: skip
+    """The K largest of `keys`, stored as _store_best does, by either method."""
+    if BY_SORT:
+        _store_best_sorted(keys, values_ptr, columns_ptr, keys_out_ptr, offset, K, K_POW2,
+                           AS_KEYS)  # fmt: skip
+    else:
+        _store_best(keys, values_ptr, columns_ptr, keys_out_ptr, offset, K, AS_KEYS)
 
 
 @triton.jit
@@ -86,6 +111,7 @@ def _topk_kernel(
     num_cols, stride_x, stride_out,
     K: tl.constexpr, BLOCK: tl.constexpr, TWO_STAGES: tl.constexpr,
     LOG_SOFTMAX: tl.constexpr, CHUNKS: tl.constexpr, MERGE_BLOCK: tl.constexpr,
+    K_POW2: tl.constexpr, BY_SORT: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): the top K entries of columns [chunk * BLOCK, (chunk + 1) * BLOCK)
     of a row, best first. One chunk a row: stored as values (minus the chunk's log-sum-exp
@@ -94,7 +120,8 @@ def _topk_kernel(
     [rows, chunks, 2]); then the row's last chunk to finish (counted in arrivals [rows],
     arrivals.py) takes the top K of the row's chunks * K keys (MERGE_BLOCK: that many rounded
     up to a power of 2) and stores them as values and columns. CHUNKS: the number of chunks
-    rounded up to a power of 2."""
+    rounded up to a power of 2. BY_SORT: each selection by one bitonic top-K_POW2 (K rounded
+    up to a power of 2) instead of K max-reductions."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -115,7 +142,8 @@ def _topk_kernel(
     out = row * stride_out
     if TWO_STAGES:
         row_keys = keys_ptr + row * num_chunks * K
-        _store_best(keys, values_ptr, columns_ptr, row_keys + chunk * K, offset, K, True)
+        _select(keys, values_ptr, columns_ptr, row_keys + chunk * K, offset, K, K_POW2, True,
+                BY_SORT)  # fmt: skip
         # Every thread's stores before the arrival; the last chunk reads them all.
         tl.debug_barrier()
         arrivals = arrivals_ptr + row
@@ -127,19 +155,24 @@ def _topk_kernel(
             row_offset = 0.0
             if LOG_SOFTMAX:
                 row_offset = _row_log_sum_exp(stats_ptr, row, num_chunks, CHUNKS)
-            _store_best(row_best, values_ptr + out, columns_ptr + out, row_keys, row_offset, K,
-                        False)  # fmt: skip
+            _select(row_best, values_ptr + out, columns_ptr + out, row_keys, row_offset, K,
+                    K_POW2, False, BY_SORT)  # fmt: skip
     else:
-        _store_best(keys, values_ptr + out, columns_ptr + out, keys_ptr, offset, K, False)
+        _select(keys, values_ptr + out, columns_ptr + out, keys_ptr, offset, K, K_POW2, False,
+                BY_SORT)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TopkConfig:
     """One launch form: each row in chunks of `block` columns (a power of 2), a program of
-    `num_warps` warps per chunk."""
+    `num_warps` warps per chunk; with `by_sort`, each program selects its k by one bitonic
+    top-k (Triton's `tl.topk`, k rounded up to a power of 2) instead of k max-reductions in
+    turn. `by_sort` is a form `specrun bench topk --sweep` tries; `topk_config` does not pick
+    it until a sweep on the GPU shows where it is faster."""
 
     block: int
     num_warps: int
+    by_sort: bool = False
 
 
 def topk_config(num_rows: int, num_cols: int, k: int) -> TopkConfig:
@@ -170,6 +203,9 @@ def launch_topk(
     if config is None:
         config = topk_config(num_rows, num_cols, k)
     block = min(triton.next_power_of_2(num_cols), config.block)
+    k_pow2 = triton.next_power_of_2(k)
+    if config.by_sort and block < k_pow2:
+        raise ValueError(f"{config} selects {k_pow2} keys by sort: chunks need that many columns")
     num_chunks = triton.cdiv(num_cols, block)
     values_dtype = torch.float32 if log_softmax else x.dtype
     values = torch.empty((num_rows, k), dtype=values_dtype, device=x.device)
@@ -193,6 +229,7 @@ def launch_topk(
     wrap(_topk_kernel)[(num_rows, num_chunks)](
         x, keys, values, columns, stats, arrivals, num_cols, x.stride(0), k,
         K=k, BLOCK=block, TWO_STAGES=two_stages, LOG_SOFTMAX=log_softmax, CHUNKS=chunks,
-        MERGE_BLOCK=triton.next_power_of_2(num_chunks * k), num_warps=config.num_warps,
+        MERGE_BLOCK=triton.next_power_of_2(num_chunks * k), K_POW2=k_pow2, BY_SORT=config.by_sort,
+        num_warps=config.num_warps,
     )  # fmt: skip
     return values, columns

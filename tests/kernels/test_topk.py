@@ -147,11 +147,13 @@ def test_launch_forms_stay_within_the_kernels_limits(num_rows, num_cols):
     assert -(-num_cols // config.block) * MAX_K <= 8192
 
 
+@pytest.mark.parametrize("by_sort", [False, True])
 @pytest.mark.parametrize("two_stages", [False, True])
 @pytest.mark.parametrize("log_softmax", [False, True])
-def test_triton_kernel_compiles_for_hopper(two_stages, log_softmax):
+def test_triton_kernel_compiles_for_hopper(two_stages, log_softmax, by_sort):
     """Both launch forms (one chunk a row; chunks merged by the last to finish) compile for
-    sm_90, with and without the log-softmax (the interpreter skips the branches not taken)."""
+    sm_90, with and without the log-softmax (the interpreter skips the branches not taken),
+    selecting by max-reductions or by a bitonic top-k."""
     from specrun.runtime.kernels.topk_triton import _topk_kernel
 
     signature = {
@@ -159,8 +161,8 @@ def test_triton_kernel_compiles_for_hopper(two_stages, log_softmax):
         "columns_ptr": "*i64", "stats_ptr": "*fp32", "arrivals_ptr": "*i32", "num_cols": "i32",
         "stride_x": "i32", "stride_out": "i32",
     }  # fmt: skip
-    constexprs = dict(K=8, BLOCK=2048, TWO_STAGES=two_stages, LOG_SOFTMAX=log_softmax,
-                      CHUNKS=8, MERGE_BLOCK=64)  # fmt: skip
+    constexprs = dict(K=5, BLOCK=2048, TWO_STAGES=two_stages, LOG_SOFTMAX=log_softmax,
+                      CHUNKS=8, MERGE_BLOCK=64, K_POW2=8, BY_SORT=by_sort)  # fmt: skip
     ptx = compile_for_hopper(_topk_kernel, signature, constexprs)
     assert ("atom.global" in ptx) == two_stages
 
@@ -181,22 +183,29 @@ def _interpret_main() -> int:
     """Run as a script under TRITON_INTERPRET=1: the Triton kernels on the CPU vs the reference;
     the arrival counters zeroed again after each launch."""
     from specrun.runtime.kernels.arrivals import arrival_counters
-    from specrun.runtime.kernels.topk_triton import TopkConfig, launch_topk
+    from specrun.runtime.kernels.topk_triton import TopkConfig, launch_topk, topk_config
 
     failures = 0
-    for i, (num_rows, num_cols, k, ties) in enumerate(INTERPRET_CASES):
+    # The bitonic selection on the shorter cases only (the interpreter sorts slowly), the
+    # two-stage merge among them.
+    sorted_cases = [case for case in INTERPRET_CASES if case[1] < 4096]
+    cases = [(case, False) for case in INTERPRET_CASES] + [(case, True) for case in sorted_cases]
+    for i, ((num_rows, num_cols, k, ties), by_sort) in enumerate(cases):
         x = make_rows((num_rows, num_cols), dtype=torch.float32, seed=i, ties=ties)
-        values, columns = launch_topk(x, k)
+        form = topk_config(num_rows, num_cols, k)
+        form = TopkConfig(form.block, form.num_warps, by_sort)
+        values, columns = launch_topk(x, k, config=form)
         want_values, want_columns = topk_ref(x, k)
         ok = torch.equal(values, want_values) and torch.equal(columns, want_columns)
         x[:, 0] = 0.0  # log-softmax rows need a finite entry
-        values, columns = launch_topk(x, k, log_softmax=True)
+        values, columns = launch_topk(x, k, log_softmax=True, config=form)
         want_values, want_columns = log_softmax_topk_ref(x, k)
         ok = ok and torch.equal(columns, want_columns)
         ok = ok and torch.allclose(values, want_values, rtol=1e-5, atol=1e-5)
         ok = ok and not arrival_counters(x, 1).any()  # every launch leaves them zeroed
         failures += not ok
-        print(f"case {i}: {num_rows}x{num_cols} k={k} ties={ties} {'ok' if ok else 'FAIL'}")
+        print(f"case {i}: {num_rows}x{num_cols} k={k} ties={ties} sort={by_sort} "
+              f"{'ok' if ok else 'FAIL'}")  # fmt: skip
     # The narrowest chunks `specrun bench topk --sweep` tries: many chunks, one warp each.
     x = make_rows((3, 1000), dtype=torch.float32, seed=9, ties=True)
     x[:, 0] = 0.0
@@ -232,6 +241,26 @@ def test_gpu_kernel_matches_reference(num_rows, num_cols, k, dtype, ties):
     assert_matches_reference(*topk(x, k), x, k)
     x[:, 0] = 0.0
     assert_log_probs_match(*log_softmax_topk(x, k), x, k)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize(("num_rows", "num_cols", "k"), GPU_CASES)
+def test_gpu_bitonic_selection_matches_reference(num_rows, num_cols, k, ties):
+    """The launch form that selects by one bitonic top-k (`by_sort`), at the chunk width
+    `topk_config` picks and at the narrowest the sweep tries (where its merge stays small)."""
+    from specrun.runtime.kernels.topk_triton import TopkConfig, launch_topk, topk_config
+
+    x = make_rows((num_rows, num_cols), dtype=torch.bfloat16, seed=k, ties=ties, device="cuda")
+    picked = topk_config(num_rows, num_cols, k)
+    forms = [TopkConfig(picked.block, picked.num_warps, True)]
+    if -(-num_cols // 256) * k <= 8192:  # the sweep's bound on a merge's keys
+        forms.append(TopkConfig(256, 1, True))
+    for form in forms:
+        assert_matches_reference(*launch_topk(x, k, config=form), x, k)
+        x[:, 0] = 0.0
+        assert_log_probs_match(*launch_topk(x, k, log_softmax=True, config=form), x, k)
 
 
 @pytest.mark.gpu

@@ -77,7 +77,9 @@ def test_topk_points_parse_and_sweeps_keep_merges_small():
         assert configs and len(set(configs)) == len(configs)
         assert all(-(-each.num_cols // c.block) * each.k <= 8192 for c in configs)
     # A row no wider than 328 columns is never split into chunks wider than 512.
-    assert {c.block for c in topk_sweep_configs(parse_point("1,328,40"))} <= {256, 512}
+    rerank = topk_sweep_configs(parse_point("1,328,40"))
+    assert {c.block for c in rerank} <= {256, 512}
+    assert {c.by_sort for c in rerank} == {False, True}
 
 
 @pytest.mark.parametrize(("text", "message"), [("8,14336", "ROWS,COLS,K"), ("1,10,11", "1 <= K")])
@@ -91,11 +93,11 @@ def test_bad_topk_points_are_refused_by_the_parser(text, message, capsys):
 def test_a_topk_row_shows_both_launch_forms_and_a_mismatch():
     point = {"name": "level", "num_rows": 8, "num_cols": 14336, "k": 8, "log_softmax": True,
              "aten_us": 90.3, "rt_us": 6.9, "best_us": 5.9, "rt_matches_aten": True,
-             "config": {"block": 512, "num_warps": 2},
-             "best_config": {"block": 256, "num_warps": 1}}  # fmt: skip
+             "config": {"block": 512, "num_warps": 2, "by_sort": False},
+             "best_config": {"block": 256, "num_warps": 1, "by_sort": True}}  # fmt: skip
     text = topk_row(point)
     assert text.split()[:4] == ["level", "8x14336", "k=8", "lsm"]
-    assert "90.3" in text and "6.9" in text and text.endswith("b512 w2 best b256 w1")
+    assert "90.3" in text and "6.9" in text and text.endswith("b512 w2 best b256 w1 sort")
     assert topk_row(point | {"rt_matches_aten": False}).endswith("MISMATCH")
 
 
