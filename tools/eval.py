@@ -9,8 +9,9 @@ again, and each point also holds the ratio of the two, `plain_floor`: the resolu
 speed-up). Each point is one JSON line: mean accepted length (tokens per round) and its
 standard error over prompts, the histogram of accepted draft tokens per round, tokens/s of
 both and the speed-up, and where each side's time went (prefill, rounds on the GPU, the
-rest). A table follows on stdout; `--plot` also draws the histograms and the accepted length
-by tree shape (tools/eval_plot.py).
+rest). A table follows on stdout, and with several sides each side's accepted length paired
+by prompt with the first side's (their difference and its 95% interval); `--plot` also draws
+the histograms and the accepted length by tree shape (tools/eval_plot.py).
 Prompts are JSON lines {"prompt": text} or {"prompt_ids": [ids]}, or a built-in split
 ("builtin:broad", ...). When prompts carry a "category", each point also holds the mean
 accepted length of each category, pooled over its requests' rounds like the overall one, and
@@ -44,7 +45,7 @@ from ..runtime.engine import Engine
 from ..runtime.stats import EngineStats, RequestStats
 from ..runtime.tree import StaticTree, TreeShape
 from .eval_agreement import run_agreement
-from .eval_plot import check_plotting, plot_records
+from .eval_plot import check_plotting, plot_records, tree_label
 from .eval_report import (
     category_fields,
     error_fields,
@@ -52,7 +53,7 @@ from .eval_report import (
     format_table,
     point_record,
 )
-from .eval_stats import prompts_digest, run_compare
+from .eval_stats import against_first_side, format_comparison, prompts_digest, run_compare
 from .generate import add_compile_argument, add_tree_arguments, compile_choice, tree_shape
 
 
@@ -253,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(records))
     if any("accepted_length_by_category" in record for record in records):
         print(format_category_table(records))
+    paired = against_first_side(records)
+    if paired:
+        title = f"accepted length against {tree_label(records[0])} (base), paired by prompt"
+        print(format_comparison(paired, title=title))
     return 0
 
 

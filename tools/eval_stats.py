@@ -8,7 +8,9 @@ and rounds within a request are far from independent. Over `builtin:broad` the p
 not the head, make most of that error (about 0.09 tokens per round over 96 prompts), so
 two heads compare on the same prompts paired: each prompt's contribution to both runs'
 ratio is differenced before the error is taken (`specrun eval --compare BASE NEW`), over
-all prompts and over each category's.
+all prompts and over each category's. Within one run the sides (trees, policies) share
+their prompts, so `specrun eval` pairs each with the run's first side the same way
+(`against_first_side`).
 """
 
 from __future__ import annotations
@@ -177,6 +179,27 @@ def compare_runs(base: list[dict], new: list[dict]) -> list[dict]:
     return rows
 
 
+def against_first_side(records: list[dict]) -> list[dict]:
+    """Within one run: every side's record paired by prompt with the run's first side at the
+    same temperature and batch size (rows as `compare_runs` gives, without categories); none
+    where a point has one side."""
+    firsts: dict[tuple, dict] = {}
+    rows = []
+    for record in records:
+        point = (record["temperature"], record.get("batch_size"))
+        first = firsts.setdefault(point, record)
+        if first is record:
+            continue
+        rows.append(
+            {
+                **{key: record.get(key) for key in POINT_KEYS},
+                **_paired_entry(first, record),
+                "by_category": {},
+            }
+        )
+    return rows
+
+
 def _compare_categories(base: dict, new: dict) -> dict[str, dict]:
     """Per category (when both runs recorded their requests' categories): both accepted
     lengths and the paired difference with its 95% half-width, over that category's
@@ -198,14 +221,16 @@ def _category_part(record: dict, category: str) -> dict:
     }
 
 
-def format_comparison(rows: list[dict]) -> str:
+def format_comparison(
+    rows: list[dict], *, title: str = "accepted length (tokens per round), paired by prompt"
+) -> str:
     """One line per shared point: both accepted lengths, the difference and its 95%
     interval's half-width; under it one line per category when the runs have them."""
     header = (
         f"{'tree / category':>18} {'temp':>6} {'batch':>5} {'prompts':>7} {'base':>7} "
         f"{'new':>7} {'new-base':>9} {'+-95%':>7}"
     )
-    lines = ["accepted length (tokens per round), paired by prompt", header, "-" * len(header)]
+    lines = [title, header, "-" * len(header)]
     for row in rows:
         point = f"{tree_label(row):>18} {row['temperature']:>6.2f} {row['batch_size']:>5}"
         lines.append(f"{point} {_comparison_cells(row)}")

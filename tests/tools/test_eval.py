@@ -134,6 +134,9 @@ def test_eval_compares_tree_shapes_and_plots_them(model_dir, prompts_file, tmp_p
         assert records[first]["baseline_wall_seconds"] == records[second]["baseline_wall_seconds"]
     out = capsys.readouterr().out
     assert "    3,2,5" in out and "cost 3,2,5" in out
+    # Each later side paired with the first at both temperatures.
+    assert "accepted length against 3,2,5 (base), paired by prompt" in out
+    assert out.count(" 2,1,3 ") >= 2 and "gammatune 3,2,5" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = tmp_path / "again.png"
     assert main(["eval-plot", str(json_path), str(json_path), "--out", str(again)]) == 0

@@ -13,6 +13,7 @@ from specrun.tools.eval_stats import (
     Z95,
     accepted_length,
     accepted_length_difference,
+    against_first_side,
     compare_runs,
     format_comparison,
     prompts_digest,
@@ -115,6 +116,30 @@ def test_paired_difference_is_tighter_than_either_run_when_prompts_dominate():
     assert difference.stderr == pytest.approx(bootstrap, rel=0.12)
     same = accepted_length_difference(_record(base), _record(base))
     assert (same.value, same.stderr) == (0.0, 0.0)
+
+
+def test_one_runs_sides_pair_with_its_first_side_at_each_point():
+    """Three trees at two temperatures in one run: each later tree against the first at the
+    same point, the difference `accepted_length_difference` gives; nothing for the first."""
+    rng = random.Random(5)
+    runs = {}
+    for nodes in (40, 48, 56):
+        for temperature in (0.0, 1.0):
+            runs[nodes, temperature] = _record(
+                _random_requests(rng, 30), nodes=nodes, temperature=temperature
+            )
+    records = list(runs.values())
+    rows = against_first_side(records)
+    assert [(r["nodes"], r["temperature"]) for r in rows] == [
+        (48, 0.0), (48, 1.0), (56, 0.0), (56, 1.0)
+    ]  # fmt: skip
+    for row in rows:
+        base, new = runs[40, row["temperature"]], runs[row["nodes"], row["temperature"]]
+        assert row["difference"] == pytest.approx(accepted_length_difference(base, new).value)
+        assert row["base_accepted_length"] == pytest.approx(base["mean_accepted_length"])
+    assert against_first_side(records[:2]) == []  # one side at each temperature
+    text = format_comparison(rows, title="against 6,8,40")
+    assert text.splitlines()[0] == "against 6,8,40" and len(text.splitlines()) == 3 + 4
 
 
 def test_compare_refuses_runs_it_cannot_pair():
