@@ -162,15 +162,8 @@ def compare_runs(base: list[dict], new: list[dict]) -> list[dict]:
     rows = []
     for record in new:
         other = base_points.get(point_key(record))
-        if other is None:
-            continue
-        rows.append(
-            {
-                **{key: record.get(key) for key in POINT_KEYS},
-                **_paired_entry(other, record),
-                "by_category": _compare_categories(other, record),
-            }
-        )
+        if other is not None:
+            rows.append(_comparison_row(other, record, _compare_categories(other, record)))
     if not rows:
         raise ValueError(
             "the two runs share no point (tree, temperature, batch size and policy): nothing "
@@ -188,16 +181,18 @@ def against_first_side(records: list[dict]) -> list[dict]:
     for record in records:
         point = (record["temperature"], record.get("batch_size"))
         first = firsts.setdefault(point, record)
-        if first is record:
-            continue
-        rows.append(
-            {
-                **{key: record.get(key) for key in POINT_KEYS},
-                **_paired_entry(first, record),
-                "by_category": {},
-            }
-        )
+        if first is not record:
+            rows.append(_comparison_row(first, record, {}))
     return rows
+
+
+def _comparison_row(base: dict, new: dict, by_category: dict[str, dict]) -> dict:
+    """One compared point: `new`'s point keys, the paired entry and the categories'."""
+    return {
+        **{key: new.get(key) for key in POINT_KEYS},
+        **_paired_entry(base, new),
+        "by_category": by_category,
+    }
 
 
 def _compare_categories(base: dict, new: dict) -> dict[str, dict]:

@@ -185,6 +185,16 @@ def num_input_sets(num_bytes: int) -> int:
     return max(1, min(_MAX_INPUT_SETS, wanted))
 
 
+def time_or_skip(calls: Sequence[Callable[[], object]]) -> float | None:
+    """time_cuda_graph (2 ms of calls a replay), or None where the calls do not compile or
+    launch (a launch form beyond the device's shared memory, say): a sweep skips those."""
+    try:
+        return time_cuda_graph(calls, target_ms=2.0)
+    except Exception as error:
+        logger.info("skipped: %s", str(error).splitlines()[0] if str(error) else error)
+        return None
+
+
 def _time_or_none(calls: Sequence[Callable[[], object]]) -> float | None:
     """time_cuda_graph, or None if the calls run out of device memory."""
     try:

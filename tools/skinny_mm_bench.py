@@ -19,7 +19,6 @@ Bandwidth counts the bytes the product must move (w, x and the output, each once
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
@@ -28,9 +27,7 @@ import torch.nn.functional as F
 
 from ..models.config import LlamaConfig
 from ..runtime.kernels.skinny_mm import skinny_mm
-from .kernel_bench import num_input_sets, time_cuda_graph
-
-logger = logging.getLogger(__name__)
+from .kernel_bench import num_input_sets, time_or_skip
 
 
 def step_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -69,13 +66,7 @@ def _weight_copies(n: int, k: int, *, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def _time(fn: Callable, xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor]) -> float | None:
-    try:
-        return time_cuda_graph(
-            [lambda x=x, w=w: fn(x, w) for x, w in zip(xs, ws, strict=True)], target_ms=2.0
-        )
-    except Exception as error:  # a tiling that does not compile or launch (shared memory)
-        logger.info("skipped: %s", str(error).splitlines()[0] if str(error) else error)
-        return None
+    return time_or_skip([lambda x=x, w=w: fn(x, w) for x, w in zip(xs, ws, strict=True)])
 
 
 def _inductor_linear() -> Callable:

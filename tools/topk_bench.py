@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
-from .kernel_bench import num_input_sets, time_cuda_graph
-
-logger = logging.getLogger(__name__)
+from .kernel_bench import num_input_sets, time_or_skip
 
 _SWEEP_BLOCKS = (256, 512, 1024, 2048, 4096)
 _SWEEP_WARPS = (1, 2, 4, 8)
@@ -96,11 +93,7 @@ def form_label(config: dict) -> str:
 
 
 def _time(fn: Callable, xs: Sequence[torch.Tensor]) -> float | None:
-    try:
-        return time_cuda_graph([lambda x=x: fn(x) for x in xs], target_ms=2.0)
-    except Exception as error:  # a launch form that does not compile or launch
-        logger.info("skipped: %s", str(error).splitlines()[0] if str(error) else error)
-        return None
+    return time_or_skip([lambda x=x: fn(x) for x in xs])
 
 
 def bench_topk(point: TopkPoint, *, sweep: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
