@@ -121,7 +121,7 @@ def _topk_kernel(
     arrivals.py) takes the top K of the row's chunks * K keys (MERGE_BLOCK: that many rounded
     up to a power of 2) and stores them as values and columns. CHUNKS: the number of chunks
     rounded up to a power of 2. BY_SORT: each selection by one bitonic top-K_POW2 (K rounded
-    up to a power of 2) instead of K max-reductions."""
+    up to a power of 2, at least 2; BLOCK at least K_POW2) instead of K max-reductions."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -166,9 +166,8 @@ def _topk_kernel(
 class TopkConfig:
     """One launch form: each row in chunks of `block` columns (a power of 2), a program of
     `num_warps` warps per chunk; with `by_sort`, each program selects its k by one bitonic
-    top-k (Triton's `tl.topk`, k rounded up to a power of 2) instead of k max-reductions in
-    turn. `by_sort` is a form `specrun bench topk --sweep` tries; `topk_config` does not pick
-    it until a sweep on the GPU shows where it is faster."""
+    top-k (Triton's `tl.topk`, k rounded up to a power of 2, at least 2) instead of k
+    max-reductions in turn."""
 
     block: int
     num_warps: int
@@ -179,15 +178,20 @@ def topk_config(num_rows: int, num_cols: int, k: int) -> TopkConfig:
     """The launch form for the top `k` of `num_rows` rows of `num_cols` columns, fitted to
     `specrun bench topk --sweep` on an H200 (BENCHMARKS.md).
 
-    A program's cost is its k max-reductions, one after another, each across its warps; a
-    draft vocabulary's row (14,336 or 32,000 columns) is fastest in chunks of 512 or 1024
-    columns, merged by the last (tens of chunks, so a merge of a few hundred keys), with
-    fewer warps as rows add programs: 4 for one row, 2 up to 8 rows, 1 beyond. Rows longer
-    than 32,768 (a target's vocabulary) keep MAX_CHUNK-column chunks of 8 warps, so that
-    a merge of chunks * k keys stays small."""
+    A draft vocabulary's row (14,336 or 32,000 columns) is fastest in chunks of 512 or 1024
+    columns, merged by the last (tens of chunks, so a merge of a few hundred keys). Up to
+    16,384 columns and 8 rows (the embedded head's root, its levels and the rerank) each
+    program selects by one bitonic top-k of 4 warps (8 for a row that is one chunk): 3.2
+    against 9.4 us for the rerank's 39 of 328, 4.0 against 5.6 for the root, 4.8 against
+    6.0 for a level. Elsewhere by k max-reductions in turn, with fewer warps as rows add
+    programs: 4 for one row, 2 up to 8 rows, 1 beyond (the sort form was not swept there).
+    Rows longer than 32,768 (a target's vocabulary) keep MAX_CHUNK-column chunks of 8
+    warps, so that a merge of chunks * k keys stays small."""
     del k
     if num_cols > 32768:
         return TopkConfig(block=MAX_CHUNK, num_warps=8)
+    if num_cols <= 16384 and num_rows <= 8:
+        return TopkConfig(block=512, num_warps=8 if num_cols <= 512 else 4, by_sort=True)
     block = 512 if num_cols <= 16384 else 1024
     return TopkConfig(block=block, num_warps=4 if num_rows == 1 else 2 if num_rows <= 8 else 1)
 
@@ -203,9 +207,10 @@ def launch_topk(
     if config is None:
         config = topk_config(num_rows, num_cols, k)
     block = min(triton.next_power_of_2(num_cols), config.block)
-    k_pow2 = triton.next_power_of_2(k)
-    if config.by_sort and block < k_pow2:
-        raise ValueError(f"{config} selects {k_pow2} keys by sort: chunks need that many columns")
+    # tl.topk selects at least 2 (one key would reduce to a scalar); a chunk holds them all.
+    k_pow2 = max(2, triton.next_power_of_2(k))
+    if config.by_sort:
+        block = max(block, k_pow2)
     num_chunks = triton.cdiv(num_cols, block)
     values_dtype = torch.float32 if log_softmax else x.dtype
     values = torch.empty((num_rows, k), dtype=values_dtype, device=x.device)

@@ -321,7 +321,7 @@ def test_a_head_directory_carries_its_trees(tmp_path):
         (tmp_path / HEAD_TREES_FILE).write_text(text)
         with pytest.raises(ValueError, match=r"trees\.json"):
             default_trees(tmp_path)
-    assert default_trees(default_head_dir())[1] == TreeShape(6, 8, 40, stochastic=True)
+    assert default_trees(default_head_dir())[1] == TreeShape(6, 8, 63, stochastic=True)
 
 
 def test_a_head_directory_carries_what_it_accepted(tmp_path):

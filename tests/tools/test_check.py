@@ -16,8 +16,8 @@ def test_check_uses_the_shipped_head_and_its_trees(smollm_dir, tmp_path, capsys,
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "1/1 prompts identical" in out
-    # The head's trees.json gives batch 1 the (6, 8, 40) tree, not the engine default.
-    assert "depth=6, topk=8, num_nodes=40" in out
+    # The head's trees.json gives batch 1 the (6, 8, 63) tree, not the engine default.
+    assert "depth=6, topk=8, num_nodes=63" in out
 
 
 def test_check_of_another_model_needs_a_draft(tmp_path, capsys):
