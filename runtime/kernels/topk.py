@@ -6,7 +6,8 @@ select per row, about 40 us on an H100 for [8, 8192] (a 135M target's plain step
 and a round drafting 5 levels would pay that five times. Here a program holds one chunk of a row
 in registers as int64 keys, (value, column) packed so that one max-reduction picks the best
 value and, among equal values, the lowest column; it takes the maximum k times, removing
-each winner:
+each winner, or (for the draft vocabulary's few rows, where it is faster) selects its k by
+one bitonic top-k of the same keys:
 
 - grid (rows, chunks); each chunk of at most `MAX_CHUNK` columns (the width `topk_config`
   picks in topk_triton.py) gives its own top k, best first: the row's answer where it has

@@ -346,7 +346,7 @@ def test_a_head_directory_carries_what_it_accepted(tmp_path):
         with pytest.raises(ValueError, match=r"trees\.json"):
             head_acceptance(tmp_path)
     shipped = head_acceptance(default_head_dir())
-    assert shipped.tree == TreeShape(6, 8, 40) and shipped.greedy is None and shipped.sampling > 1
+    assert shipped.tree == TreeShape(6, 8, 63) and shipped.greedy is None and shipped.sampling > 1
 
 
 def test_engine_config_tree_table_and_bucket_choice():
