@@ -43,10 +43,10 @@ class TopkPoint:
 
 
 DEFAULT_POINTS = (
-    # SmolLM2-135M's head (14,336-token draft vocabulary), the batch-1 tree (6, 8, 40).
+    # SmolLM2-135M's head (14,336-token draft vocabulary), the batch-1 tree (6, 8, 63).
     TopkPoint("root", 1, 14336, 8, True),
     TopkPoint("level", 8, 14336, 8, True),
-    TopkPoint("rerank", 1, 8 + 5 * 64, 39, False),  # the best N - 1 of its 328 candidates
+    TopkPoint("rerank", 1, 8 + 5 * 64, 62, False),  # the best N - 1 of its 328 candidates
     # Llama-3.1-8B's head (32,000), a level at batch 1 and at batch 4.
     TopkPoint("root-8b", 1, 32000, 8, True),
     TopkPoint("level-8b", 8, 32000, 8, True),
