@@ -114,7 +114,7 @@ def bench_topk(point: TopkPoint, *, sweep: bool, dtype: torch.dtype = torch.bflo
     def rt(x: torch.Tensor, config=None) -> tuple[torch.Tensor, torch.Tensor]:
         return launch_topk(x, k, log_softmax=log_softmax, config=config)
 
-    result = asdict(point) | {"config": asdict(topk_config(point.num_rows, point.num_cols, k))}
+    result = asdict(point) | {"config": asdict(topk_config(point.num_rows, point.num_cols))}
     distinct = torch.randperm(point.num_rows * point.num_cols, device="cuda").view(shape)
     distinct = distinct.to(torch.float32)
     result["rt_matches_aten"] = torch.equal(

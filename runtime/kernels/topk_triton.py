@@ -174,8 +174,9 @@ class TopkConfig:
     by_sort: bool = False
 
 
-def topk_config(num_rows: int, num_cols: int, k: int) -> TopkConfig:
-    """The launch form for the top `k` of `num_rows` rows of `num_cols` columns, fitted to
+def topk_config(num_rows: int, num_cols: int) -> TopkConfig:
+    """The launch form for a top-k of `num_rows` rows of `num_cols` columns (any k up to
+    topk.py's MAX_K: the launcher widens a sort form's chunks to hold k), fitted to
     `specrun bench topk --sweep` on an H200 (BENCHMARKS.md).
 
     A draft vocabulary's row (14,336 or 32,000 columns) is fastest in chunks of 512 or 1024
@@ -187,7 +188,6 @@ def topk_config(num_rows: int, num_cols: int, k: int) -> TopkConfig:
     programs: 4 for one row, 2 up to 8 rows, 1 beyond (the sort form was not swept there).
     Rows longer than 32,768 (a target's vocabulary) keep MAX_CHUNK-column chunks of 8
     warps, so that a merge of chunks * k keys stays small."""
-    del k
     if num_cols > 32768:
         return TopkConfig(block=MAX_CHUNK, num_warps=8)
     if num_cols <= 16384 and num_rows <= 8:
@@ -205,7 +205,7 @@ def launch_topk(
     `specrun bench topk`."""
     num_rows, num_cols = x.shape
     if config is None:
-        config = topk_config(num_rows, num_cols, k)
+        config = topk_config(num_rows, num_cols)
     block = min(triton.next_power_of_2(num_cols), config.block)
     # tl.topk selects at least 2 (one key would reduce to a scalar); a chunk holds them all.
     k_pow2 = max(2, triton.next_power_of_2(k))

@@ -141,7 +141,7 @@ def test_launch_forms_stay_within_the_kernels_limits(num_rows, num_cols):
     pytest.importorskip("triton")
     from specrun.runtime.kernels.topk_triton import topk_config
 
-    config = topk_config(num_rows, num_cols, MAX_K)
+    config = topk_config(num_rows, num_cols)
     assert config.block & (config.block - 1) == 0 and config.block <= MAX_CHUNK
     assert config.num_warps in (1, 2, 4, 8)
     assert -(-num_cols // config.block) * MAX_K <= 8192
@@ -192,7 +192,7 @@ def _interpret_main() -> int:
     cases = [(case, False) for case in INTERPRET_CASES] + [(case, True) for case in sorted_cases]
     for i, ((num_rows, num_cols, k, ties), by_sort) in enumerate(cases):
         x = make_rows((num_rows, num_cols), dtype=torch.float32, seed=i, ties=ties)
-        form = topk_config(num_rows, num_cols, k)
+        form = topk_config(num_rows, num_cols)
         form = TopkConfig(form.block, form.num_warps, by_sort)
         values, columns = launch_topk(x, k, config=form)
         want_values, want_columns = topk_ref(x, k)
@@ -253,7 +253,7 @@ def test_gpu_bitonic_selection_matches_reference(num_rows, num_cols, k, ties):
     from specrun.runtime.kernels.topk_triton import TopkConfig, launch_topk, topk_config
 
     x = make_rows((num_rows, num_cols), dtype=torch.bfloat16, seed=k, ties=ties, device="cuda")
-    picked = topk_config(num_rows, num_cols, k)
+    picked = topk_config(num_rows, num_cols)
     forms = [TopkConfig(picked.block, picked.num_warps, True)]
     if -(-num_cols // 256) * k <= 8192:  # the sweep's bound on a merge's keys
         forms.append(TopkConfig(256, 1, True))
