@@ -57,7 +57,13 @@ from .collectives import (
     time_collectives,
 )
 from .random_models import kv_bytes, weight_bytes
-from .round_timing import idle_fraction, kernel_table, profile_kernels, time_replays
+from .round_timing import (
+    idle_fraction,
+    kernel_table,
+    profile_kernels,
+    round_timeline,
+    time_replays,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +103,15 @@ def bench_bucket(
     collectives: bool = False,
     draft_split: bool = True,
     num_top_kernels: int = 0,
+    timeline: bool = False,
     prompt_length: int = 0,
 ) -> dict:
     """Plain (tree None) or speculative round latency of one bucket, and what it cost.
 
     compile: rounds compiled with Inductor (else eager), captured in a CUDA graph either way.
     profile_rounds: rounds profiled for the idle time and kernel table (None: `num_rounds`;
-        0: no profile), with `num_top_kernels` of the costliest kernels listed.
+        0: no profile), with `num_top_kernels` of the costliest kernels listed, and with
+        `timeline` one profiled round's kernels in launch order (`kernel_timeline`).
     collectives: also record the round's collectives and time them alone
         (tools/collectives.py; tensor parallelism: every rank calls this alike).
     draft_split: also time a speculative round's draft phase alone (compiled or eager, and
@@ -151,7 +159,9 @@ def bench_bucket(
     point["round_ms"] = time_replays(run, num_rounds=num_rounds, device=device) * 1e3
     profile_rounds = num_rounds if profile_rounds is None else profile_rounds
     profile_rounds = profile_rounds if on_cuda else 0
-    point |= _profile(run, refill, num_rounds=profile_rounds, num_top_kernels=num_top_kernels)
+    point |= _profile(
+        run, refill, num_rounds=profile_rounds, num_top_kernels=num_top_kernels, timeline=timeline
+    )
     point |= _collective_fields(
         decoder, bucket, variant, context=context, enabled=collectives, num_rounds=num_rounds
     )
@@ -179,9 +189,10 @@ def bench_bucket(
     return point
 
 
-def _profile(run, refill, *, num_rounds: int, num_top_kernels: int) -> dict:
+def _profile(run, refill, *, num_rounds: int, num_top_kernels: int, timeline: bool) -> dict:
     """GPU idle time in the host loop and in back-to-back replays over `num_rounds` profiled
-    rounds, and the kernel table of the latter (None / empty with 0 rounds)."""
+    rounds, and the kernel table of the latter (None / empty with 0 rounds); with `timeline`,
+    one replayed round's kernels in order (`round_timing.round_timeline`)."""
     if num_rounds == 0:
         return {"gpu_idle": None, "gpu_idle_in_graph": None, "kernels_per_round": None,
                 "kernel_us_per_round": None, "top_kernels": []}  # fmt: skip
@@ -190,6 +201,8 @@ def _profile(run, refill, *, num_rounds: int, num_top_kernels: int) -> dict:
     for key, host_loop in (("gpu_idle", True), ("gpu_idle_in_graph", False)):
         kernels = profile_kernels(run, num_rounds=num_rounds, host_loop=host_loop)
         point[key] = idle_fraction(kernels)
+    if timeline:
+        point["kernel_timeline"] = round_timeline(kernels, num_rounds=num_rounds)
     return point | kernel_table(kernels, num_rounds=num_rounds, top=num_top_kernels)
 
 

@@ -82,6 +82,11 @@ def register(subjects: argparse._SubParsersAction) -> None:
         "phase alone (0: none)",
     )  # fmt: skip
     decode.add_argument(
+        "--timeline", action="store_true",
+        help="keep one profiled round's kernels in launch order in the JSON point "
+        "(kernel_timeline: [name, start us, duration us] each)",
+    )  # fmt: skip
+    decode.add_argument(
         "--no-compile", action="store_true",
         help="run the rounds eagerly instead of compiling them with Inductor (still captured "
         "in CUDA graphs): seconds of warm-up instead of minutes, slower rounds",
@@ -182,7 +187,8 @@ def decode_points(args: argparse.Namespace, ranks) -> int:
                 num_rounds=args.rounds, bandwidth=bandwidth, compile=not args.no_compile,
                 profile_rounds=args.profile_rounds, collectives=ranks is not None,
                 draft_split=not args.no_draft_split,
-                num_top_kernels=args.top_kernels, prompt_length=args.prompt_length,
+                num_top_kernels=args.top_kernels, timeline=args.timeline,
+                prompt_length=args.prompt_length,
             )  # fmt: skip
             points.append(point)
             if report:

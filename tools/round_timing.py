@@ -1,7 +1,7 @@
 """Timing and profiling of replayed steps on the GPU: the mean time of back-to-back replays
 between two CUDA events (on the CPU, of eager calls on the host clock), and the kernels a
-step launches under the profiler (how many, their summed time, the costliest by name, and the
-GPU's idle time between them).
+step launches under the profiler (how many, their summed time, the costliest by name, the
+GPU's idle time between them, and one step's kernels in launch order).
 
 Used by `specrun bench decode` (tools/decode_bench.py), tools/collectives.py and `specrun
 bench train-draft --profile-steps` (tools/train_bench.py).
@@ -103,3 +103,17 @@ def kernel_table(kernels: list[KernelSpan], *, num_rounds: int, top: int) -> dic
             [name[:120], count[name] / num_rounds, total[name] / num_rounds] for name in costliest
         ],
     }
+
+
+def round_timeline(kernels: list[KernelSpan], *, num_rounds: int) -> list[list]:
+    """One round's kernels in launch order, as [name, start, duration] in microseconds from
+    the round's first kernel: the middle one of `num_rounds` back-to-back replays of the same
+    graph (the same kernels each). Empty without kernels or when the count does not divide
+    into rounds (the profiler dropped some: no round boundary can be trusted)."""
+    if not kernels or num_rounds < 1 or len(kernels) % num_rounds:
+        return []
+    per_round = len(kernels) // num_rounds
+    first = (num_rounds // 2) * per_round
+    middle = kernels[first : first + per_round]
+    origin = middle[0].start
+    return [[k.name[:120], k.start - origin, k.end - k.start] for k in middle]

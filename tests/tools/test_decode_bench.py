@@ -1,5 +1,5 @@
 """The host-side arithmetic of `specrun bench decode` (the benchmark itself needs a GPU): GPU
-idle time from kernel spans, the per-round kernel table, and the random shard a
+idle time from kernel spans, the per-round kernel table and timeline, and the random shard a
 tensor-parallel rank builds."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from specrun.models.tensor_parallel import Sharding
 from specrun.tools.cli import build_parser
 from specrun.tools.decode_cli import format_kernel_table, target_config
 from specrun.tools.random_models import SHAPES, random_target
-from specrun.tools.round_timing import KernelSpan, idle_fraction, kernel_table
+from specrun.tools.round_timing import KernelSpan, idle_fraction, kernel_table, round_timeline
 from tiny_models import prompt_logits, tiny_config
 
 
@@ -26,6 +26,15 @@ def test_idle_fraction_counts_gaps_once_and_overlaps_as_busy():
     # b runs inside a, c overlaps a's end: busy [0, 5] and [6, 8] of a span of 8.
     spans = _spans(("a", 0, 4), ("b", 1, 2), ("c", 3, 5), ("d", 6, 8))
     assert idle_fraction(spans) == pytest.approx(1 / 8)
+
+
+def test_the_timeline_is_the_middle_rounds_kernels_in_order_from_its_start():
+    rounds = [(f"k{i}", 10.0 * r + i, 10.0 * r + i + 0.5 * (r + 1)) for r in range(3)
+              for i in range(2)]  # fmt: skip
+    timeline = round_timeline(_spans(*rounds), num_rounds=3)
+    assert timeline == [["k0", 0.0, 1.0], ["k1", 1.0, 1.0]]  # round 1 of 0-2
+    assert round_timeline(_spans(*rounds[:-1]), num_rounds=3) == []  # a kernel went missing
+    assert round_timeline([], num_rounds=2) == []
 
 
 def test_kernel_table_is_per_round_and_costliest_first():
