@@ -6,7 +6,6 @@ that report the floor and the collectives' share."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ from specrun.runtime.decoder import Decoder
 from specrun.runtime.ranks import spawn_ranks
 from specrun.runtime.tree import TreeShape
 from specrun.tools import kernel_bench
+from specrun.tools.cli import build_parser
 from specrun.tools.collectives import CollectiveReplay, count_collectives, record_collectives
 from specrun.tools.decode_bench import round_collectives
 from specrun.tools.decode_cli import decode_points, format_tables
@@ -177,11 +177,11 @@ def test_bench_decode_runs_over_two_gloo_ranks(monkeypatch, tmp_path, capsys):
     shapes = BenchShapes("tiny shapes", CONFIG, 40)
     monkeypatch.setitem(SHAPES, "tiny", shapes)
     monkeypatch.setattr(kernel_bench, "copy_bandwidth", lambda **_: 1e9)
-    args = argparse.Namespace(
-        shapes="tiny", buckets=[1, 2], context=7, rounds=2, profile_rounds=None,
-        draft_vocab=None, accept_length=5.39, modes=["plain", "spec"], tree=[3, 2, 5],
-        stochastic=False, prompt_length=0, top_kernels=5, no_compile=True,
-        no_draft_split=False, num_layers=None, tp=2, json=str(tmp_path / "points.jsonl"),
+    # The command line's own parser (built once "tiny" is a shape), so every option is set.
+    args = build_parser().parse_args(
+        ["bench", "decode", "--shapes", "tiny", "--buckets", "1", "2", "--context", "7",
+         "--rounds", "2", "--tree", "3", "2", "5", "--top-kernels", "5", "--no-compile",
+         "--tp", "2", "--json", str(tmp_path / "points.jsonl")]
     )  # fmt: skip
     ranks = spawn_ranks(2, device_type="cpu", entry=bench_decode_rank, args=(args, shapes))
     try:
