@@ -27,6 +27,7 @@ from ..runtime.config import DEFAULT_BUCKETS, DEFAULT_TREES, EngineConfig, stoch
 from ..runtime.tree import TreeShape
 from .bench_env import environment, fmt
 from .random_models import SHAPES
+from .round_timing import attention_segments
 
 EXECUTION = {
     "compiled": "rounds compiled with Inductor and specrun's passes, replayed as CUDA graphs",
@@ -84,7 +85,8 @@ def register(subjects: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--timeline", action="store_true",
         help="keep one profiled round's kernels in launch order in the JSON point "
-        "(kernel_timeline: [name, start us, duration us] each)",
+        "(kernel_timeline: [name, start us, duration us] each) and print the round cut "
+        "after each attention launch",
     )  # fmt: skip
     decode.add_argument(
         "--no-compile", action="store_true",
@@ -323,6 +325,10 @@ def format_kernel_table(point: dict) -> str:
             f"{point['draft_kernel_us_per_round']:.0f} us in kernels"
         )
         lines += _kernel_rows(point["draft_top_kernels"], indent="    ")
+    if point.get("kernel_timeline"):
+        pieces = attention_segments(point["kernel_timeline"])
+        spans = " ".join(f"{span:.1f}" for _, _, span in pieces)
+        lines.append(f"  the round cut after each attention (us, gaps included): {spans}")
     return "\n".join(lines)
 
 

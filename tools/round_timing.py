@@ -117,3 +117,23 @@ def round_timeline(kernels: list[KernelSpan], *, num_rounds: int) -> list[list]:
     middle = kernels[first : first + per_round]
     origin = middle[0].start
     return [[k.name[:120], k.start - origin, k.end - k.start] for k in middle]
+
+
+def attention_segments(timeline: list[list], *, marker: str = "_tree_attention_kernel") -> list:
+    """A round's timeline (`round_timeline`) cut after each attention launch (kernels whose
+    name starts with `marker`): per piece [kernels, microseconds in kernels, microseconds from
+    the end of the previous piece's last kernel to the end of its own], the last piece the
+    kernels after the last attention. A speculative round's first pieces are its draft
+    levels (its first is the draft's extend and root), then one a verified layer, then the
+    acceptance and commit."""
+    pieces, kernels, busy, start = [], 0, 0.0, 0.0
+    for name, begin, duration in timeline:
+        kernels += 1
+        busy += duration
+        if name.startswith(marker):
+            pieces.append([kernels, busy, begin + duration - start])
+            kernels, busy, start = 0, 0.0, begin + duration
+    if kernels:
+        end = timeline[-1][1] + timeline[-1][2]
+        pieces.append([kernels, busy, end - start])
+    return pieces

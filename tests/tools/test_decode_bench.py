@@ -12,7 +12,13 @@ from specrun.models.tensor_parallel import Sharding
 from specrun.tools.cli import build_parser
 from specrun.tools.decode_cli import format_kernel_table, target_config
 from specrun.tools.random_models import SHAPES, random_target
-from specrun.tools.round_timing import KernelSpan, idle_fraction, kernel_table, round_timeline
+from specrun.tools.round_timing import (
+    KernelSpan,
+    attention_segments,
+    idle_fraction,
+    kernel_table,
+    round_timeline,
+)
 from tiny_models import prompt_logits, tiny_config
 
 
@@ -35,6 +41,18 @@ def test_the_timeline_is_the_middle_rounds_kernels_in_order_from_its_start():
     assert timeline == [["k0", 0.0, 1.0], ["k1", 1.0, 1.0]]  # round 1 of 0-2
     assert round_timeline(_spans(*rounds[:-1]), num_rounds=3) == []  # a kernel went missing
     assert round_timeline([], num_rounds=2) == []
+
+
+def test_a_round_is_cut_after_each_attention_launch_with_its_gaps():
+    timeline = [["norm", 0.0, 1.0], ["_tree_attention_kernel", 2.0, 3.0], ["mm", 6.0, 1.0],
+                ["_tree_attention_kernel", 8.0, 2.0], ["argmax", 11.0, 0.5]]  # fmt: skip
+    assert attention_segments(timeline) == [[2, 4.0, 5.0], [2, 3.0, 5.0], [1, 0.5, 1.5]]
+    assert attention_segments(timeline[:2]) == [[2, 4.0, 5.0]]  # nothing after the last
+    assert attention_segments([]) == []
+    point = {"bucket": 1, "mode": "speculative", "tree": [2, 2, 3], "round_ms": 0.0115,
+             "kernels_per_round": 5, "kernel_us_per_round": 7.5, "gpu_idle_in_graph": 0.3,
+             "top_kernels": [], "kernel_timeline": timeline}  # fmt: skip
+    assert "cut after each attention (us, gaps included): 5.0 5.0 1.5" in format_kernel_table(point)
 
 
 def test_kernel_table_is_per_round_and_costliest_first():
