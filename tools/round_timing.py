@@ -17,6 +17,9 @@ import torch
 
 from ..runtime.reports import ReportReader
 
+# Kernel names are cut to this many characters (Inductor's fused names run to hundreds).
+NAME_WIDTH = 120
+
 
 def time_replays(run, *, num_rounds: int, device: torch.device | str = "cuda") -> float:
     """Mean seconds of `run` over `num_rounds` back-to-back launches after one more: GPU time
@@ -100,7 +103,8 @@ def kernel_table(kernels: list[KernelSpan], *, num_rounds: int, top: int) -> dic
         "kernels_per_round": len(kernels) / num_rounds,
         "kernel_us_per_round": sum(total.values()) / num_rounds,
         "top_kernels": [
-            [name[:120], count[name] / num_rounds, total[name] / num_rounds] for name in costliest
+            [name[:NAME_WIDTH], count[name] / num_rounds, total[name] / num_rounds]
+            for name in costliest
         ],
     }
 
@@ -116,7 +120,7 @@ def round_timeline(kernels: list[KernelSpan], *, num_rounds: int) -> list[list]:
     first = (num_rounds // 2) * per_round
     middle = kernels[first : first + per_round]
     origin = middle[0].start
-    return [[k.name[:120], k.start - origin, k.end - k.start] for k in middle]
+    return [[k.name[:NAME_WIDTH], k.start - origin, k.end - k.start] for k in middle]
 
 
 def attention_segments(timeline: list[list], *, marker: str = "_tree_attention_kernel") -> list:
