@@ -354,7 +354,9 @@ class Decoder:
     def _round_step(self, bucket: int, variant: RoundVariant) -> Callable[[], torch.Tensor]:
         """The bucket's round variant as a zero-argument call over its static state."""
         state = self.state(bucket)
-        sampling = dataclasses.replace(state.sampling, filtered=variant.filtered)
+        sampling = dataclasses.replace(
+            state.sampling, filtered=variant.filtered, greedy=variant.greedy
+        )
         state = dataclasses.replace(state, sampling=sampling)
         if variant.tree is not None:
             return functools.partial(self._round, self.target, self.head, state, variant.tree)

@@ -21,6 +21,7 @@ from ..models.attention import chain_ancestors
 from ..models.eagle import DraftHead
 from ..models.llama import Llama, ModelOutput
 from .draft import PendingPairs, draft_commit, draft_static_tree, draft_tree
+from .kernels import acceptance_signals as signals_kernel
 from .kv_cache import KVCache
 from .sampling import SamplingTensors, draw_tokens
 from .stochastic import DraftDistributions, accept_stochastic, draft_stochastic_tree
@@ -96,20 +97,15 @@ def acceptance_signals(
     """What the round tells about its draft beyond the accepted length, at the root and at
     temperature 1: the draft's confidence (its top probability) and the KL divergence
     KL(p || q) of its distribution q from the target's p restricted to the draft vocabulary
-    (renormalised; DSDE's signal). target_logits: [B, V]; draft_logits: [B, V_draft];
-    draft_to_target: [V_draft] int64; draft_log_norm: [B] float32 logsumexp of draft_logits
-    if the draft has it (Tree.root_log_norm), else None. Returns [B, 2] float32."""
+    (renormalised; DSDE's signal), in one launch (`rt::acceptance_signals`). target_logits:
+    [B, V]; draft_logits: [B, V_draft]; draft_to_target: [V_draft] int64; draft_log_norm: [B]
+    float32 logsumexp of draft_logits if the draft has it (Tree.root_log_norm), else None.
+    Returns [B, 2] float32."""
     if draft_log_norm is None:
-        log_q = draft_logits.float().log_softmax(-1)
-    else:
-        log_q = draft_logits.float() - draft_log_norm[:, None]
-    # Renormalised on the draft vocabulary, p's log-softmax over the whole vocabulary cancels:
-    # one reduction over the gathered logits, not two more over every target logit.
-    log_p = target_logits.index_select(-1, draft_to_target).float().log_softmax(-1)
-    p = log_p.exp()
-    kl = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
-    confidence = log_q.amax(-1).exp()
-    return torch.stack([confidence, kl.nan_to_num(0.0).clamp(0.0, 1e3)], dim=-1)
+        draft_log_norm = draft_logits.float().logsumexp(-1)
+    return signals_kernel.acceptance_signals(
+        target_logits, draft_logits, draft_to_target, draft_log_norm
+    )
 
 
 def speculative_round(

@@ -36,12 +36,16 @@ class RoundVariant:
         its (token, root feature) pair joins the pending ones, for a later round to commit
         (round.appending_decode_round). It costs what a plain step costs; the planner runs
         it while every slot's pending pairs have room (`RoundPlanner.plan`).
+    greedy: no request samples: the top-k form of a stochastic shape, which only greedy
+        batches run, so its target draws take the argmax and draw no noise
+        (SamplingTensors.greedy).
     """
 
     tree: TreeShape | StaticTree | None = None
     filtered: bool = False
     num_pending: int = 0
     appends: bool = False
+    greedy: bool = False
 
     @property
     def stochastic(self) -> bool:
@@ -138,9 +142,15 @@ class RoundPlanner:
     def candidates(self, bucket: int, params: Sequence[SamplingParams]) -> list[RoundVariant]:
         """The rounds a batch of these requests may run in the bucket, one per shape."""
         samples = any(not p.greedy for p in params)
-        trees = [_for_sampling(tree, samples) for tree in self.shapes(bucket)]
         filtered = needs_filtering(params)
-        return [RoundVariant(tree=tree, filtered=filtered) for tree in trees]
+        return [
+            RoundVariant(
+                tree=_for_sampling(tree, samples),
+                filtered=filtered,
+                greedy=_for_sampling(tree, samples) is not tree,
+            )
+            for tree in self.shapes(bucket)
+        ]
 
     def variant_for(self, bucket: int, params: Sequence[SamplingParams]) -> RoundVariant:
         """The round a batch of these requests runs in the bucket with its configured tree."""

@@ -32,6 +32,8 @@ class SamplingTensors:
     filtered: whether top-k / top-p may be on for some slot. When False they are ignored and
         the full-vocabulary sort they need is skipped; being a Python flag, it selects a
         separately compiled (and captured) variant of a round.
+    greedy: every slot is greedy (a Python flag like `filtered`: the round variant of a
+        greedy batch): the target's draws take the argmax and draw no noise.
     """
 
     temperature: torch.Tensor
@@ -41,6 +43,7 @@ class SamplingTensors:
     position: torch.Tensor | None = None
     seeded: torch.Tensor | None = None
     filtered: bool = True
+    greedy: bool = False
 
     @classmethod
     def from_params(
@@ -95,7 +98,8 @@ def draw_tokens(
     argmax(logits / T - log E) with E ~ Exp(1): the same ordering as argmax(p / E), since
     log p = logits / T - logsumexp, but one pass over the vocabulary instead of the four a
     softmax, its one-hot and the race take (the largest reduction of a plain step). Greedy
-    rows take argmax(logits), as the one-hot does.
+    rows take argmax(logits), as the one-hot does; with `sampling.greedy` every row does,
+    and no noise is drawn.
 
     Args:
         logits: [B, ..., V] any float dtype.
@@ -105,8 +109,11 @@ def draw_tokens(
     Returns:
         [B, ...] int64 token ids.
     """
-    if readable_on_host(sampling.temperature) and not bool((sampling.temperature > 0).any()):
-        return _chunked_argmax(logits)  # eager on the CPU, every row greedy: no noise to draw
+    # A greedy batch's round, or eager on the CPU with every row greedy: no noise to draw.
+    if sampling.greedy or (
+        readable_on_host(sampling.temperature) and not bool((sampling.temperature > 0).any())
+    ):
+        return _chunked_argmax(logits)
     counter = _broadcast_counter(sampling, offset, logits)
     if sampling.filtered:
         return sample(target_probs(logits, sampling), sampling.seed, counter, site=Site.TARGET)

@@ -105,14 +105,17 @@ def test_round_variants_follow_the_requests_and_the_buckets_trees(target):
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
     filtered = SamplingParams(temperature=0.7, top_p=0.9)
     stochastic = RoundVariant(tree=stochastic_tree)
-    assert decoder.planner.variant_for(1, [greedy, greedy]) == RoundVariant(tree=top_k_tree)
+    greedy_round = RoundVariant(tree=top_k_tree, greedy=True)  # draws no noise
+    assert decoder.planner.variant_for(1, [greedy, greedy]) == greedy_round
     assert decoder.planner.variant_for(1, [greedy, sampled]) == stochastic
     assert decoder.planner.variant_for(1, [filtered]) == RoundVariant(
         tree=stochastic_tree, filtered=True
     )
     assert decoder.planner.variant_for(2, [greedy, sampled]) == RoundVariant(tree=shallow)
     assert decoder.planner.variant_for(4, [filtered]) == RoundVariant(filtered=True)
-    assert decoder.planner.variants(1) == [RoundVariant(tree=top_k_tree), stochastic]
+    assert decoder.planner.variants(1) == [greedy_round, stochastic]
+    # A bucket whose configured tree is top-k runs it for greedy and sampling batches alike.
+    assert decoder.planner.variant_for(2, [greedy]) == RoundVariant(tree=shallow)
     assert decoder.planner.variants(2, filtered=True) == [
         RoundVariant(tree=shallow),
         RoundVariant(tree=shallow, filtered=True),
@@ -120,7 +123,7 @@ def test_round_variants_follow_the_requests_and_the_buckets_trees(target):
     plain = [RoundVariant(appends=True), RoundVariant(num_pending=4)]  # depth 3: 4 wide
     assert decoder.planner.variants(4) == plain
     assert set(decoder.warmup()) == {
-        (1, RoundVariant(tree=top_k_tree)),
+        (1, greedy_round),
         (1, stochastic),
         (2, RoundVariant(tree=shallow)),
         *((4, variant) for variant in plain),

@@ -94,3 +94,21 @@ def test_greedy_draws_match_argmax_across_chunks(vocab):
     logits[2] = 0.5  # every column ties: the first wins
     greedy = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 4, "cpu")
     assert torch.equal(draw_tokens(logits, greedy), logits.argmax(-1))
+
+
+def test_a_greedy_batchs_draws_take_the_argmax_without_drawing_noise(monkeypatch):
+    """`SamplingTensors.greedy` (a greedy batch's round variant) skips the noise even where
+    the temperatures cannot be read on the host (a compiled, captured round)."""
+    from specrun.runtime import sampling as sampling_module
+
+    def no_noise(*args, **kwargs):
+        raise AssertionError("a greedy batch drew noise")
+
+    monkeypatch.setattr(sampling_module, "readable_on_host", lambda tensor: False)
+    monkeypatch.setattr(sampling_module, "gumbel", no_noise)
+    logits = torch.randn(3, 5, 2000, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.0)] * 3
+    greedy = dataclasses.replace(SamplingTensors.from_params(params, "cpu"), greedy=True)
+    assert torch.equal(draw_tokens(logits, greedy), logits.argmax(-1))
+    with pytest.raises(AssertionError, match="drew noise"):
+        draw_tokens(logits, dataclasses.replace(greedy, greedy=False))
