@@ -70,10 +70,10 @@ def test_graphs_decode_what_eager_rounds_decode_in_every_bucket(kind, policy):
 
 
 def test_a_stochastic_bucket_replays_its_greedy_and_sampled_rounds(fresh_seeds):
-    """A stochastic bucket captures two rounds. Greedy batches replay the top-k one and decode
-    the reference; sampling batches (unseeded: seeded requests never draft stochastically)
-    replay the sampled one, in which a head equal to the target has every draft accepted (all
-    D per round but each request's last)."""
+    """A stochastic bucket captures two rounds. Greedy batches replay the top-k one (its draws
+    the argmax, with no noise) and decode the reference; sampling batches (unseeded: seeded
+    requests never draft stochastically) replay the sampled one, in which a head equal to the
+    target has every draft accepted (all D per round but each request's last)."""
     target, head = _models("self")
     shape = TreeShape(3, 2, 6, stochastic=True)
     config = _config(compile=True, cuda_graphs=True, buckets=(2,), trees={2: shape})
@@ -81,7 +81,7 @@ def test_a_stochastic_bucket_replays_its_greedy_and_sampled_rounds(fresh_seeds):
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
     sampled = dataclasses.replace(greedy, temperature=1.0)
     stats = DecodeStats()
-    top_k = RoundVariant(tree=dataclasses.replace(shape, stochastic=False))
+    top_k = RoundVariant(tree=dataclasses.replace(shape, stochastic=False), greedy=True)
     with torch.inference_mode():
         assert set(decoder.warmup()) == {(2, top_k), (2, RoundVariant(tree=shape))}
         want = reference_generate(target, PROMPTS[:2], greedy)
