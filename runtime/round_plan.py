@@ -144,11 +144,7 @@ class RoundPlanner:
         samples = any(not p.greedy for p in params)
         filtered = needs_filtering(params)
         return [
-            RoundVariant(
-                tree=_for_sampling(tree, samples),
-                filtered=filtered,
-                greedy=_for_sampling(tree, samples) is not tree,
-            )
+            _variant_for_sampling(tree, samples=samples, filtered=filtered)
             for tree in self.shapes(bucket)
         ]
 
@@ -277,3 +273,12 @@ def _for_sampling(
     if isinstance(tree, TreeShape) and tree.stochastic and not samples:
         return dataclasses.replace(tree, stochastic=False)
     return tree
+
+
+def _variant_for_sampling(
+    tree: TreeShape | StaticTree | None, *, samples: bool, filtered: bool
+) -> RoundVariant:
+    """The round a batch runs with `tree`: a stochastic shape's top-k form, when nobody
+    samples, draws greedily (RoundVariant.greedy)."""
+    runs = _for_sampling(tree, samples)
+    return RoundVariant(tree=runs, filtered=filtered, greedy=runs is not tree)
